@@ -1,0 +1,40 @@
+# Every target creates .venv if needed and installs what it needs first.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The CPU build of torch unless a CUDA driver is present (then pip picks a CUDA build).
+TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
+
+.PHONY: install serve test lint bench proto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/tandem models pull smollm2-135m
+	$(VENV)/bin/tandem serve
+
+test: install lint
+	$(VENV)/bin/tandem models pull smollm2-135m
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy tandem
+
+bench: install
+	$(VENV)/bin/tandem models pull smollm2-135m
+	$(VENV)/bin/tandem bench engine --json bench-results/engine.json
+
+proto: install
+	@echo "no .proto files yet (the serving-cluster issue adds proto/tandem/v1)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,106 @@
+"""`tandem` command line: models, generate, serve, bench."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tandem.config import DEFAULT_MODEL
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+models_app = typer.Typer(no_args_is_help=True, help="Manage local models.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
+app.add_typer(models_app, name="models")
+app.add_typer(bench_app, name="bench")
+console = Console()
+
+ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
+DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
+
+
+@models_app.command("pull")
+def models_pull(name: str = DEFAULT_MODEL) -> None:
+    """Download a catalogue model into $TANDEM_HOME/models."""
+    from tandem import hub
+
+    console.print(f"[green]ready:[/green] {hub.pull(name)}")
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Show the catalogue and what is already local."""
+    from tandem import hub
+
+    table = Table("name", "local path")
+    for name, path in hub.list_local().items():
+        table.add_row(name, str(path) if path else "-")
+    console.print(table)
+
+
+@app.command()
+def generate(
+    prompt: str,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    max_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Generate a completion with the offline engine, streamed to the terminal."""
+    from tandem.engine import LLM, SamplingParams
+
+    llm = LLM(model, dtype=dtype, device=device)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    try:
+        params.validate(llm.engine.vocab_size)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    ids = llm.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+    last = None
+    for out in llm.stream(ids, params):
+        sys.stdout.write(out.delta)
+        sys.stdout.flush()
+        last = out
+    sys.stdout.write("\n")
+    if last is not None and last.metrics is not None:
+        m = last.metrics
+        tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot else "-"
+        console.print(
+            f"[dim]{m.n_prompt} prompt + {m.n_out} output tokens, "
+            f"TTFT {m.ttft * 1e3:.0f} ms, TPOT {tpot}, finish={last.finish_reason}[/dim]"
+        )
+
+
+@app.command()
+def serve(
+    model: ModelOpt = DEFAULT_MODEL,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+) -> None:
+    """Start Tandem. (Until the cluster lands: the offline engine answers a demo chat.)"""
+    generate("What is disaggregated LLM serving? Answer in two sentences.", chat=True,
+             max_tokens=96, model=model, dtype=dtype, device=device)
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: ModelOpt = DEFAULT_MODEL,
+    dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes.")] = "float32,bfloat16",
+    threads: int = 2,
+    new_tokens: int = 128,
+    batch: int = 16,
+    rounds: int = 3,
+    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+) -> None:
+    """Engine vs transformers `generate`, side by side, with the kernel floor and bandwidth limit."""
+    from tandem.bench.engine import run_engine_bench
+
+    run_engine_bench(model, dtypes.split(","), threads, new_tokens, batch, rounds, json_out)

@@ -1,0 +1,107 @@
+"""The one frozen config tree, built once at the entry point (CLI, tests, offline API).
+
+Derived values are properties. Environment variables are read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def tandem_home() -> Path:
+    """Where Tandem keeps downloaded models and caches (`$TANDEM_HOME`, default ~/.cache/tandem)."""
+    return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model: str = DEFAULT_MODEL  # catalogue name, HF directory or .gguf path
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    memory_gib: float = 1.0  # KV cache budget when num_blocks is not given
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = 64  # running requests at most
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # "fcfs" | "priority" (lower value first, then arrival)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def create(cls, model: str = DEFAULT_MODEL, **overrides: Any) -> EngineConfig:
+        """Flat keyword form (`dtype=`, `block_size=`, `max_num_seqs=` ...) routed to its section."""
+        sections: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+        owners = {
+            name: section
+            for section, klass in (
+                ("model", ModelSettings), ("cache", CacheConfig), ("scheduler", SchedulerConfig)
+            )
+            for name in klass.__dataclass_fields__
+        }
+        for key, value in overrides.items():
+            if key not in owners:
+                raise ValueError(f"unknown engine option {key!r}; known: {sorted(owners)}")
+            sections[owners[key]][key] = value
+        return cls(
+            ModelSettings(**sections["model"]),
+            CacheConfig(**sections["cache"]),
+            SchedulerConfig(**sections["scheduler"]),
+        )
+
+    def with_model(self, **changes: Any) -> EngineConfig:
+        return replace(self, model=replace(self.model, **changes))

@@ -1,0 +1,218 @@
+"""Attention over the paged KV cache, behind a small backend interface.
+
+The runner builds one `AttentionMetadata` per step (shared by every layer); each layer then calls
+`backend.forward`, which writes the step's new keys/values into their slots and attends over each
+request's whole context. `TorchSDPABackend` is the portable implementation (CPU, tests, any CUDA
+device); fused CUDA backends (FlashAttention, FlashInfer, CUDA graphs) implement the same two
+methods.
+
+KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
+Query heads are grouped per KV head (GQA) by folding the group into the query-length axis, so
+keys and values are never repeated.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Requests whose step covers at most this many tokens (decodes, speculative verification) attend
+# together in one padded SDPA call; longer prefill chunks attend one request at a time.
+MAX_BATCHED_QUERY_LEN = 16
+
+
+@dataclass(frozen=True)
+class SeqSpec:
+    """One request's part of a step: `query_len` new tokens after `num_computed_tokens`."""
+
+    num_computed_tokens: int
+    query_len: int
+    block_table: list[int]
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + self.query_len
+
+
+@dataclass
+class BatchedGroup:
+    """Short-query requests attended in one padded call; their tokens are `token_slice`."""
+
+    token_slice: slice
+    block_tables: torch.Tensor  # [B, max_blocks] int64
+    mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool; None for equal-length decodes
+    query_len: int  # max_q
+    context_len: int  # max_ctx
+    pad_index: torch.Tensor | None  # [num_tokens_in_group] rows of the padded [B * max_q] layout
+
+
+@dataclass
+class LongSeq:
+    """A prefill chunk attended on its own."""
+
+    token_slice: slice
+    num_computed_tokens: int
+    block_table: torch.Tensor  # [num_blocks] int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat slot = block_id * block_size + offset
+    batched: BatchedGroup | None
+    long_seqs: list[LongSeq]
+
+
+class AttentionBackend(ABC):
+    """Builds per-step metadata once and runs attention for every layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim**-0.5
+
+    @abstractmethod
+    def build_metadata(self, seqs: list[SeqSpec], device: torch.device) -> AttentionMetadata:
+        """`seqs` in token order: the step's tokens are the concatenation of their queries."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        ...
+
+
+def slot_mapping_for(seqs: list[SeqSpec], block_size: int) -> list[int]:
+    slots: list[int] = []
+    for s in seqs:
+        for pos in range(s.num_computed_tokens, s.context_len):
+            slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
+    return slots
+
+
+class TorchSDPABackend(AttentionBackend):
+    """`torch.nn.functional.scaled_dot_product_attention` over gathered KV blocks."""
+
+    def build_metadata(self, seqs: list[SeqSpec], device: torch.device) -> AttentionMetadata:
+        slot_mapping = torch.tensor(slot_mapping_for(seqs, self.block_size), device=device)
+        # Short queries first (the runner orders them so), as one padded batch.
+        n_short = 0
+        while n_short < len(seqs) and seqs[n_short].query_len <= MAX_BATCHED_QUERY_LEN:
+            n_short += 1
+        batched = self._batched_group(seqs[:n_short], device) if n_short else None
+        long_seqs = []
+        start = sum(s.query_len for s in seqs[:n_short])
+        for s in seqs[n_short:]:
+            n_blocks = -(-s.context_len // self.block_size)
+            table = torch.tensor(s.block_table[:n_blocks], device=device)
+            long_seqs.append(LongSeq(slice(start, start + s.query_len), s.num_computed_tokens, table))
+            start += s.query_len
+        return AttentionMetadata(slot_mapping, batched, long_seqs)
+
+    def _batched_group(self, seqs: list[SeqSpec], device: torch.device) -> BatchedGroup:
+        bs = self.block_size
+        max_q = max(s.query_len for s in seqs)
+        max_ctx = max(s.context_len for s in seqs)
+        max_blocks = -(-max_ctx // bs)
+        tables = [s.block_table[:max_blocks] for s in seqs]
+        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        mask = pad_index = None
+        if max_q > 1 or any(s.context_len != max_ctx for s in seqs):
+            # Query row i of a request sits at position context_len - query_len + i (right-aligned
+            # in the padded layout); it sees keys at positions <= its own.
+            q_pos = torch.tensor([s.context_len - max_q for s in seqs], device=device)
+            q_pos = q_pos[:, None] + torch.arange(max_q, device=device)  # [B, max_q]
+            k_pos = torch.arange(max_ctx, device=device)
+            mask = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]  # [B, 1, max_q, ctx]
+            pad_rows = [
+                b * max_q + max_q - s.query_len + i
+                for b, s in enumerate(seqs)
+                for i in range(s.query_len)
+            ]
+            if len(pad_rows) != len(seqs) * max_q:
+                pad_index = torch.tensor(pad_rows, device=device)
+                # Padded query rows attend to position 0 only, so softmax stays finite.
+                mask[:, :, :, 0] = True
+        n_tokens = sum(s.query_len for s in seqs)
+        return BatchedGroup(
+            slice(0, n_tokens), torch.tensor(tables, device=device), mask, max_q, max_ctx, pad_index
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        group = self.num_heads // hkv
+        # Write this step's keys/values into their slots.
+        flat = kv_cache.view(2, -1, hkv, d)  # [2, num_slots, hkv, d]
+        flat[0].index_copy_(0, meta.slot_mapping, k.view(-1, hkv, d))
+        flat[1].index_copy_(0, meta.slot_mapping, v.view(-1, hkv, d))
+        out = torch.empty_like(q)
+        if (b := meta.batched) is not None:
+            out[b.token_slice] = self._batched(q[b.token_slice], kv_cache, b, group)
+        for s in meta.long_seqs:
+            out[s.token_slice] = self._long(q[s.token_slice], k[s.token_slice],
+                                            v[s.token_slice], kv_cache, s, group)
+        return out
+
+    def _batched(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, b: BatchedGroup, group: int
+    ) -> torch.Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        num_b, max_q = b.block_tables.shape[0], b.query_len
+        if b.pad_index is not None:
+            padded = q.new_zeros(num_b * max_q, q.shape[1])
+            q = padded.index_copy_(0, b.pad_index, q)
+        # [B, max_q, hkv, group, d] -> [B, hkv, group * max_q, d]
+        qh = q.view(num_b, max_q, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
+            num_b, hkv, group * max_q, d
+        )
+        ctx = b.context_len
+        keys = kv_cache[0][b.block_tables].view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)
+        values = kv_cache[1][b.block_tables].view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)
+        mask = b.mask
+        if mask is not None and group > 1:
+            mask = mask.repeat(1, 1, group, 1)  # rows ordered (group, max_q) like qh
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale)
+        # [B, hkv, group * max_q, d] -> [B * max_q, hkv * group * d]
+        o = o.view(num_b, hkv, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_b * max_q, -1)
+        return o if b.pad_index is None else o[b.pad_index]
+
+    def _long(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        s: LongSeq,
+        group: int,
+    ) -> torch.Tensor:
+        hkv, d = self.num_kv_heads, self.head_dim
+        n = q.shape[0]
+        qh = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        if s.num_computed_tokens == 0:
+            keys = k.view(n, hkv, d).transpose(0, 1)
+            values = v.view(n, hkv, d).transpose(0, 1)
+        else:
+            ctx = s.num_computed_tokens + n
+            keys = kv_cache[0][s.block_table].view(-1, hkv, d)[:ctx].transpose(0, 1)
+            values = kv_cache[1][s.block_table].view(-1, hkv, d)[:ctx].transpose(0, 1)
+        q_pos = torch.arange(n, device=q.device) + s.num_computed_tokens
+        k_pos = torch.arange(keys.shape[1], device=q.device)
+        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * n, ctx]
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale)
+        return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, -1)

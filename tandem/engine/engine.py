@@ -1,0 +1,108 @@
+"""Engine core: requests in, token deltas out; `step()` = schedule -> execute -> update.
+
+No tokenizer and no network here: the offline API (`llm.py`) and the workers wrap it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tandem import hub
+from tandem.config import EngineConfig
+from tandem.engine.attention import TorchSDPABackend
+from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.models import load_model
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.runner import ModelRunner, TokenLogprobs
+from tandem.engine.sampler import request_generator
+from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.engine.scheduler import Role, Scheduler
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.request.status.finished
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
+        self.config = config
+        mc = config.model
+        if mc.num_threads is not None and mc.torch_device.type == "cpu":
+            torch.set_num_threads(mc.num_threads)
+        self.model_path = hub.resolve(mc.model)
+        block_size = config.cache.block_size
+        self.model = load_model(
+            self.model_path, TorchSDPABackend, block_size, mc.torch_dtype, mc.torch_device
+        )
+        cfg = self.model.cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = min(mc.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, mc.torch_dtype)
+        num_blocks = config.cache.num_blocks or max(
+            1, int(config.cache.memory_gib * 2**30) // bytes_per_block
+        )
+        self.kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache, self.max_model_len, cfg.eos_token_ids, role
+        )
+        self.runner = ModelRunner(
+            self.model, num_blocks, block_size, mc.torch_dtype, mc.torch_device, cfg.eos_token_ids
+        )
+        self._seed_counter = 0
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError before any KV is allocated."""
+        params.validate(self.vocab_size)
+        validate_prompt_token_ids(
+            prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens
+        )
+        # A request that could never fit would preempt itself forever.
+        max_blocks = math.ceil((len(prompt_token_ids) + params.max_tokens) / self.kv_cache.block_size)
+        if max_blocks > self.kv_cache.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens need {max_blocks} KV blocks; the cache has "
+                f"{self.kv_cache.num_blocks} (raise cache memory or lower max_tokens)"
+            )
+        generator = request_generator(params.seed, self.config.model.torch_device)
+        req = Request(request_id, list(prompt_token_ids), params, priority, generator=generator)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        self.scheduler.finish(request_id, status)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        tables = {s.request.request_id: self.kv_cache.block_table(s.request.request_id)
+                  for s in out.scheduled}
+        result = self.runner.execute(out, tables)
+        changed = self.scheduler.update(out, result.tokens)
+        return [
+            RequestDelta(r, [result.tokens[r.request_id]],
+                         [result.logprobs[r.request_id]] if r.request_id in result.logprobs else [])
+            for r in changed
+        ]

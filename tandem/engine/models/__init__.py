@@ -1,0 +1,28 @@
+"""Llama-family models and their loaders (HF safetensors directories and GGUF files)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.engine.attention import AttentionBackend
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.loader import iter_weights, load_config
+
+__all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
+
+
+def load_model(
+    path: Path,
+    backend_cls: type[AttentionBackend],
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> LlamaForCausalLM:
+    cfg = load_config(path)
+    backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
+    model = LlamaForCausalLM(cfg, backend, dtype, device)
+    model.load_weights(iter_weights(path))
+    return model.eval()

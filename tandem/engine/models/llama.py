@@ -1,0 +1,203 @@
+"""One Llama-family decoder: Llama 2/3, SmolLM2, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tokens of all requests in a step are flattened into one `[num_tokens]` batch; attention is the
+only place that knows about requests (through `AttentionMetadata`). Projections are fused at load
+time (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a layer costs four matmuls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        rope: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias,
+            dtype=dtype, device=device,
+        )
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
+        self.backend = backend
+        self.rope = rope
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        x: torch.Tensor,  # [num_tokens, hidden]
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        o = self.backend.forward(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype, device=device
+        )
+        self.down_proj = nn.Linear(
+            cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        rope: RotaryEmbedding,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.self_attn = Attention(cfg, backend, rope, dtype, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.mlp = MLP(cfg, dtype, device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        rope = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            dtype, device,
+        )
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, rope, dtype, device) for _ in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
+        self.lm_head = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device
+            )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; every parameter must be set."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        cfg = self.cfg
+        for name, tensor in weights:
+            target, offset = _fused_target(name, cfg)
+            if target is None or target not in params:
+                if name == "lm_head.weight" and self.lm_head is None:
+                    continue  # tied: some checkpoints store the copy anyway
+                raise ValueError(f"unexpected weight {name!r} for {cfg.architecture}")
+            param = params[target]
+            rows = tensor.shape[0]
+            dst = param[offset : offset + rows] if offset is not None else param
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            missing.discard(target)
+        if missing:
+            raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
+
+
+def _fused_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
+    """Parameter name (ours) and row offset for an HF tensor name; (None, None) if unknown."""
+    m = _LAYER.fullmatch(name)
+    if m is not None:
+        layer, block, proj, kind = m.groups()
+        prefix = f"layers.{layer}.{block}"
+        offsets = {
+            "q": (f"{prefix}.qkv_proj.{kind}", 0),
+            "k": (f"{prefix}.qkv_proj.{kind}", cfg.q_size),
+            "v": (f"{prefix}.qkv_proj.{kind}", cfg.q_size + cfg.kv_size),
+            "gate": (f"{prefix}.gate_up_proj.{kind}", 0),
+            "up": (f"{prefix}.gate_up_proj.{kind}", cfg.intermediate_size),
+        }
+        if proj in offsets:
+            return offsets[proj]
+        return f"{prefix}.{proj}_proj.{kind}", None
+    if name.startswith("model."):
+        return name.removeprefix("model."), None
+    if name == "lm_head.weight" and not cfg.tie_word_embeddings:
+        return name, None
+    return None, None

@@ -1,0 +1,103 @@
+"""Per-request sampling parameters (vLLM/OpenAI semantics) and request validation.
+
+The router validates every request with `SamplingParams.validate` and
+`validate_prompt_token_ids` before it reaches an engine; each error names the field and its range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A temperature below this samples greedily: dividing logits by it would overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output; immutable, shared by router, workers and engine."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + output
+    presence_penalty: float = 0.0  # OpenAI semantics, over output only
+    frequency_penalty: float = 0.0  # OpenAI semantics, over output only
+    seed: int | None = None
+    stop: str | Sequence[str] = ()  # one stop string or several; read through `stop_strings`
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens exist
+    logprobs: int | None = None  # top-n logprobs per token; 0 = only the sampled token's
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first field outside its allowed range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or >= 1, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
+            )
+        if not -2 <= self.presence_penalty <= 2:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2 <= self.frequency_penalty <= 2:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if any(not s for s in self.stop_strings):
+            raise ValueError("stop must not contain empty strings")
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {token_id}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+def validate_prompt_token_ids(
+    token_ids: Sequence[int], vocab_size: int, max_model_len: int, max_tokens: int
+) -> None:
+    """Raise ValueError unless the prompt is non-empty, in-vocabulary and leaves room to generate
+    `max_tokens` tokens within `max_model_len`."""
+    if not token_ids:
+        raise ValueError("prompt must contain at least one token")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        position, token_id = next(
+            (i, t) for i, t in enumerate(token_ids) if not 0 <= t < vocab_size
+        )
+        raise ValueError(
+            f"prompt token id {token_id} at position {position} is outside [0, {vocab_size})"
+        )
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens; the context holds max_model_len={max_model_len}"
+        )
+    if len(token_ids) + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens and max_tokens={max_tokens}; together they exceed "
+            f"max_model_len={max_model_len}"
+        )

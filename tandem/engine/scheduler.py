@@ -1,0 +1,231 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix reuse, preemption.
+
+It schedules tokens, not phases: a request has `num_computed_tokens`, and each step gives it
+`num_tokens - num_computed_tokens` more (capped by the step's token budget), so a long prompt is
+split across steps while running decodes keep their one token per step. A prefix-cache hit, or KV
+that arrived from a prefill worker, is just "these tokens are already computed".
+
+Order of a step: running requests first (oldest first), preempting the newest running request by
+recompute when blocks run out; then waiting requests (FCFS, or by priority) while budget, seats
+and blocks last. `update` appends the sampled tokens and finishes requests.
+
+Roles (colocated, prefill, decode) are a `Role` hooks object consulted at admission and at the
+first token, so one scheduler serves all three.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tandem.config import SchedulerConfig
+from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.request import Request, RequestStatus
+
+
+class Role:
+    """Colocated role: a request is prefilled and decoded here. Subclasses change the hooks."""
+
+    def computes_prompt(self, request: Request) -> bool:
+        """False parks the request in WAITING_FOR_REMOTE_KV with blocks reserved for its prompt."""
+        return True
+
+    def hands_over_after_first_token(self, request: Request) -> bool:
+        """True ends the request after its first token with its blocks held (FINISHED_PREFILLED)."""
+        return False
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the known tokens, so a token is sampled."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        max_model_len: int,
+        eos_token_ids: Iterable[int],
+        role: Role | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.role = role or Role()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}  # waiting for remote KV, or held for hand-over
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- schedule ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._allocate(req, n):  # blocks ran out: preempt by recompute
+                victim = self._pick_victim(self.running[i:])
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+                i += 1
+
+        if not preempted:
+            self._admit_waiting(scheduled, budget, now)
+        return SchedulerOutput(scheduled, preempted)
+
+    def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> None:
+        if self.config.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv_cache.match_prefix(req.all_token_ids)
+            computed = len(prefix) * self.kv_cache.block_size
+            if not self.role.computes_prompt(req):
+                if not self.kv_cache.allocate(req.request_id, req.all_token_ids, 0, req.num_tokens):
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+                self.parked[req.request_id] = req
+                continue
+            n = req.num_tokens - computed
+            if n > budget and not self.config.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not self.kv_cache.allocate(req.request_id, req.all_token_ids, computed, n, prefix):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        """Among requests not yet scheduled this step: the newest, or under the priority policy
+        the least urgent."""
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        return self.kv_cache.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- update -----------------------------------------------------------------------------
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests; `sampled` maps request id -> its new token.
+
+        Returns the requests that got a token or finished this step.
+        """
+        now = time.monotonic()
+        changed: list[Request] = []
+        for s in output.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if req.request_id not in sampled:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            req.append_output(sampled[req.request_id], now)
+            changed.append(req)
+            status = self._check_stop(req)
+            if status is not None:
+                self.finish(req.request_id, status)
+            elif self.role.hands_over_after_first_token(req):
+                self.running.remove(req)
+                req.status = RequestStatus.FINISHED_PREFILLED
+                self.parked[req.request_id] = req
+        return changed
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        token = req.output_token_ids[-1]
+        params = req.params
+        if len(req.output_token_ids) >= params.min_tokens:
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in self.eos_token_ids
+            ):
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- finishing and roles -------------------------------------------------------------------
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop, length, abort) and free its blocks; unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.parked.pop(request_id, None)
+        req.status = status
+        self.kv_cache.free(request_id)
+        return req
+
+    def remote_kv_arrived(self, request_id: str, first_token: int) -> Request:
+        """A parked request's prompt KV is in its blocks: it joins the running batch."""
+        req = self.parked.pop(request_id)
+        req.num_computed_tokens = req.num_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        req.append_output(first_token, time.monotonic())
+        if (status := self._check_stop(req)) is not None:
+            self.finish(request_id, status)
+        return req
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a request handed over after its first token."""
+        self.finish(request_id, RequestStatus.FINISHED_PREFILLED)
