@@ -36,16 +36,23 @@ def models_list() -> None:
     """Show the catalogue and what is already local."""
     from tandem import hub
 
-    table = Table("name", "local path")
-    for name, path in hub.list_local().items():
-        table.add_row(name, str(path) if path else "-")
+    table = Table("catalogue name", "source", "local")
+    local = set(hub.list_local())
+    for name, entry in hub.CATALOGUE.items():
+        path = hub.models_dir() / entry.filename
+        table.add_row(name, entry.requirement, str(path) if path in local else "-")
     console.print(table)
+    others = sorted(local - {hub.models_dir() / e.filename for e in hub.CATALOGUE.values()})
+    for path in others:
+        console.print(f"also local: {path}")
 
 
 @app.command()
 def generate(
     prompt: str,
-    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    chat: Annotated[
+        bool, typer.Option(help="Wrap the prompt in the model's chat template.")
+    ] = False,
     max_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
@@ -73,9 +80,10 @@ def generate(
     if last is not None and last.metrics is not None:
         m = last.metrics
         tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot else "-"
+        ttft = f"{m.ttft * 1e3:.0f} ms" if m.ttft else "-"
         console.print(
             f"[dim]{m.n_prompt} prompt + {m.n_out} output tokens, "
-            f"TTFT {m.ttft * 1e3:.0f} ms, TPOT {tpot}, finish={last.finish_reason}[/dim]"
+            f"TTFT {ttft}, TPOT {tpot}, finish={last.finish_reason}[/dim]"
         )
 
 
@@ -86,8 +94,14 @@ def serve(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Start Tandem. (Until the cluster lands: the offline engine answers a demo chat.)"""
-    generate("What is disaggregated LLM serving? Answer in two sentences.", chat=True,
-             max_tokens=96, model=model, dtype=dtype, device=device)
+    generate(
+        "What is disaggregated LLM serving? Answer in two sentences.",
+        chat=True,
+        max_tokens=96,
+        model=model,
+        dtype=dtype,
+        device=device,
+    )
 
 
 @bench_app.command("engine")
@@ -100,7 +114,7 @@ def bench_engine(
     rounds: int = 3,
     json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
 ) -> None:
-    """Engine vs transformers `generate`, side by side, with the kernel floor and bandwidth limit."""
+    """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
     from tandem.bench.engine import run_engine_bench
 
     run_engine_bench(model, dtypes.split(","), threads, new_tokens, batch, rounds, json_out)

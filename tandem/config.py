@@ -84,12 +84,18 @@ class EngineConfig:
 
     @classmethod
     def create(cls, model: str = DEFAULT_MODEL, **overrides: Any) -> EngineConfig:
-        """Flat keyword form (`dtype=`, `block_size=`, `max_num_seqs=` ...) routed to its section."""
-        sections: dict[str, dict[str, Any]] = {"model": {"model": model}, "cache": {}, "scheduler": {}}
+        """Flat keyword form (`dtype=`, `block_size=`, `max_num_seqs=`...) routed to its section."""
+        sections: dict[str, dict[str, Any]] = {
+            "model": {"model": model},
+            "cache": {},
+            "scheduler": {},
+        }
         owners = {
             name: section
             for section, klass in (
-                ("model", ModelSettings), ("cache", CacheConfig), ("scheduler", SchedulerConfig)
+                ("model", ModelSettings),
+                ("cache", CacheConfig),
+                ("scheduler", SchedulerConfig),
             )
             for name in klass.__dataclass_fields__
         }

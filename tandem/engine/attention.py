@@ -114,7 +114,9 @@ class TorchSDPABackend(AttentionBackend):
         for s in seqs[n_short:]:
             n_blocks = -(-s.context_len // self.block_size)
             table = torch.tensor(s.block_table[:n_blocks], device=device)
-            long_seqs.append(LongSeq(slice(start, start + s.query_len), s.num_computed_tokens, table))
+            long_seqs.append(
+                LongSeq(slice(start, start + s.query_len), s.num_computed_tokens, table)
+            )
             start += s.query_len
         return AttentionMetadata(slot_mapping, batched, long_seqs)
 
@@ -165,8 +167,9 @@ class TorchSDPABackend(AttentionBackend):
         if (b := meta.batched) is not None:
             out[b.token_slice] = self._batched(q[b.token_slice], kv_cache, b, group)
         for s in meta.long_seqs:
-            out[s.token_slice] = self._long(q[s.token_slice], k[s.token_slice],
-                                            v[s.token_slice], kv_cache, s, group)
+            out[s.token_slice] = self._long(
+                q[s.token_slice], k[s.token_slice], v[s.token_slice], kv_cache, s, group
+            )
         return out
 
     def _batched(
@@ -178,8 +181,10 @@ class TorchSDPABackend(AttentionBackend):
             padded = q.new_zeros(num_b * max_q, q.shape[1])
             q = padded.index_copy_(0, b.pad_index, q)
         # [B, max_q, hkv, group, d] -> [B, hkv, group * max_q, d]
-        qh = q.view(num_b, max_q, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(
-            num_b, hkv, group * max_q, d
+        qh = (
+            q.view(num_b, max_q, hkv, group, d)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(num_b, hkv, group * max_q, d)
         )
         ctx = b.context_len
         keys = kv_cache[0][b.block_tables].view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)

@@ -48,8 +48,9 @@ class EngineCore:
         )
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size
-        self.max_model_len = min(mc.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+        self.max_model_len = min(
+            mc.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
+        )
         bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, mc.torch_dtype)
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.memory_gib * 2**30) // bytes_per_block
@@ -76,7 +77,9 @@ class EngineCore:
             prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens
         )
         # A request that could never fit would preempt itself forever.
-        max_blocks = math.ceil((len(prompt_token_ids) + params.max_tokens) / self.kv_cache.block_size)
+        max_blocks = math.ceil(
+            (len(prompt_token_ids) + params.max_tokens) / self.kv_cache.block_size
+        )
         if max_blocks > self.kv_cache.num_blocks:
             raise ValueError(
                 f"prompt + max_tokens need {max_blocks} KV blocks; the cache has "
@@ -87,7 +90,9 @@ class EngineCore:
         self.scheduler.add(req)
         return req
 
-    def abort(self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         self.scheduler.finish(request_id, status)
 
     def has_unfinished(self) -> bool:
@@ -97,12 +102,17 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        tables = {s.request.request_id: self.kv_cache.block_table(s.request.request_id)
-                  for s in out.scheduled}
+        tables = {
+            s.request.request_id: self.kv_cache.block_table(s.request.request_id)
+            for s in out.scheduled
+        }
         result = self.runner.execute(out, tables)
         changed = self.scheduler.update(out, result.tokens)
         return [
-            RequestDelta(r, [result.tokens[r.request_id]],
-                         [result.logprobs[r.request_id]] if r.request_id in result.logprobs else [])
+            RequestDelta(
+                r,
+                [result.tokens[r.request_id]],
+                [result.logprobs[r.request_id]] if r.request_id in result.logprobs else [],
+            )
             for r in changed
         ]

@@ -5,11 +5,9 @@ The KV tensors live with the model runner; this module only decides which block 
 
 Block lifecycle::
 
-    free ──allocate / fork──▶ referenced ──free (ref_cnt reaches 0)──▶ free, at the LRU tail
-     ▲                          │     ▲
-     │       block fills: hashed│     │prefix hit (ref_cnt + 1)
-     │                          ▼     │
-     └─evicted at the LRU head── cached (hash kept while free)
+    free ──allocate, fork──▶ referenced ──free: ref_cnt reaches 0──▶ free (LRU tail)
+                                 ▲                                       │
+                                 └───── prefix hit, if still hashed ─────┘
 
 - A block is *referenced* while block tables hold it; ``ref_cnt`` is how many do. Otherwise it is
   on the free list, an LRU queue: ``free`` appends a request's blocks to the tail in reverse table
@@ -114,7 +112,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        blocks, _ = self._lookup(token_ids, len(token_ids) // self.block_size)
+        blocks, _ = self._lookup(token_ids, (len(token_ids) - 1) // self.block_size)
         self.stats.prefix_queries += len(token_ids)
         self.stats.prefix_hits += len(blocks) * self.block_size
         return blocks

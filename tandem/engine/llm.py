@@ -69,12 +69,11 @@ class LLM:
         return list(prompt)
 
     def apply_chat_template(self, conversation: Conversation) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            list(conversation), add_generation_prompt=True, tokenize=True
+        text = self.tokenizer.apply_chat_template(
+            list(conversation), add_generation_prompt=True, tokenize=False
         )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in newer versions
-            ids = ids["input_ids"]
-        return list(ids)
+        # The template already holds the special tokens.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -84,7 +83,7 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
-        batch = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[list-item]
+        batch = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[arg-type]
         return self._run([self.encode(p) for p in batch], params)
 
     def chat(
@@ -95,7 +94,9 @@ class LLM:
         convs = [conversations] if _is_conversation(conversations) else list(conversations)
         return self._run([self.apply_chat_template(c) for c in convs], params)  # type: ignore[arg-type]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield an output after every step that added text or finished the request."""
         states = self._add([self.encode(prompt)], params)
         (state,) = states.values()
@@ -128,7 +129,9 @@ class LLM:
             for ids, p in zip(token_ids, params, strict=True):
                 rid = str(next(self._ids))
                 req = self.engine.add_request(rid, ids, p)
-                detok = IncrementalDetokenizer(self.tokenizer, ids, p.stop_strings, p.skip_special_tokens)
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, ids, p.stop_strings, p.skip_special_tokens
+                )
                 states[rid] = _State(req, detok, RequestOutput(rid, ids))
         except ValueError:
             for rid in states:  # a bad prompt in the batch: nothing of the batch stays queued

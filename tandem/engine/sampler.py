@@ -4,7 +4,7 @@ The stages are separate functions because speculative decoding needs the process
 `apply_penalties` (repetition/presence/frequency, min_tokens) -> `processed_probs` (temperature,
 top-k, top-p, min-p; greedy rows one-hot) -> `sample_from_probs` (exponential race). `Sampler`
 chains them and adds logprobs of the raw model distribution. A `SamplingBatch` holds only the
-tensors some request in the step needs, so an all-greedy batch costs one argmax.
+tensors some request in the step needs: an all-greedy batch without penalties costs one argmax.
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def sample_from_probs(probs: Tensor, batch: SamplingBatch) -> Tensor:
     """One token per row by the exponential race argmax(p / q), q ~ Exp(1): [num_reqs] long.
 
     Each seeded row draws q from its own generator, so its tokens depend only on its seed and
-    history, never on which other requests share the step; unseeded rows share one draw.
+    its own logits, never on which other requests share the step; unseeded rows share one draw.
     """
     q = torch.empty_like(probs)  # [num_reqs, vocab]
     if len(batch.seeded_rows) < batch.num_reqs:

@@ -189,12 +189,12 @@ class Scheduler:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         token = req.output_token_ids[-1]
         params = req.params
-        if len(req.output_token_ids) >= params.min_tokens:
-            if token in params.stop_token_ids or (
-                not params.ignore_eos and token in self.eos_token_ids
-            ):
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
+        stops = token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
+        if stops and len(req.output_token_ids) >= params.min_tokens:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -32,8 +32,11 @@ CONFIGS = {
     "llama3-scaled": lambda: LlamaConfig(
         **TINY,
         rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
         },
     ),
     "qwen2": lambda: Qwen2Config(**TINY),
@@ -61,7 +64,7 @@ def record_logits(engine: EngineCore) -> dict[str, list[torch.Tensor]]:
         rows.append(logits := compute_logits(hidden))
         return logits
 
-    def execute_hook(*args):  # noqa: ANN002, ANN202
+    def execute_hook(*args):
         rows.clear()
         result = execute(*args)
         # The sampled tokens come back in the order of the logits rows.
@@ -84,7 +87,7 @@ def run(engine: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict:
     return {**per_req, **{f"{r.request_id}:tokens": r.all_token_ids for r in reqs}}
 
 
-def check(hf, prompts: list[list[int]], result: dict, max_tokens: int) -> None:  # noqa: ANN001
+def check(hf, prompts: list[list[int]], result: dict, max_tokens: int) -> None:
     for i, prompt in enumerate(prompts):
         tokens = result[f"r{i}:tokens"]
         with torch.no_grad():
@@ -95,7 +98,7 @@ def check(hf, prompts: list[list[int]], result: dict, max_tokens: int) -> None: 
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
 
 
-def make_engine(path: Path, **overrides) -> EngineCore:  # noqa: ANN003
+def make_engine(path: Path, **overrides) -> EngineCore:
     return EngineCore(EngineConfig.create(str(path), num_blocks=64, block_size=4, **overrides))
 
 
@@ -104,31 +107,31 @@ def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
 
 
-def test_one_prompt(tiny_model) -> None:  # noqa: ANN001
+def test_one_prompt(tiny_model) -> None:
     path, hf = tiny_model
     prompts = prompts_of([13])
     check(hf, prompts, run(make_engine(path), prompts, 6), 6)
 
 
-def test_batch_of_different_lengths(tiny_model) -> None:  # noqa: ANN001
+def test_batch_of_different_lengths(tiny_model) -> None:
     path, hf = tiny_model
     prompts = prompts_of([3, 17, 9, 1, 30])
     check(hf, prompts, run(make_engine(path), prompts, 5), 5)
 
 
-def test_chunked_prefill(tiny_model) -> None:  # noqa: ANN001
+def test_chunked_prefill(tiny_model) -> None:
     path, hf = tiny_model
     prompts = prompts_of([45, 7])
     engine = make_engine(path, max_num_batched_tokens=8)
     check(hf, prompts, run(engine, prompts, 4), 4)
 
 
-def test_prefix_cache_hit(tiny_model) -> None:  # noqa: ANN001
+def test_prefix_cache_hit(tiny_model) -> None:
     path, hf = tiny_model
     engine = make_engine(path)
     shared = prompts_of([21])[0]
     run(engine, [shared], 2)
     hits_before = engine.kv_cache.stats.prefix_hits
-    prompts = [shared + [5, 6, 7], shared[:10]]
+    prompts = [[*shared, 5, 6, 7], shared[:10]]
     check(hf, prompts, run(engine, prompts, 3), 3)
     assert engine.kv_cache.stats.prefix_hits - hits_before >= 20 + 8

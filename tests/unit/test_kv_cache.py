@@ -425,7 +425,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert prefix == []
         for i, block_id in enumerate(prefix):
             assert self.kv_prefix.get(block_id) == tuple(prompt[: (i + 1) * bs])
-        self.allocate(self.new_id(), prompt, num_cached, min(chunk, len(prompt) - num_cached), prefix)
+        self.allocate(
+            self.new_id(), prompt, num_cached, min(chunk, len(prompt) - num_cached), prefix
+        )
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())

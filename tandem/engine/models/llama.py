@@ -20,13 +20,17 @@ from tandem.engine.models.rope import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    """RMSNorm computed in float32 whatever the model dtype; returns `out_dtype`."""
+
+    def __init__(self, size: int, eps: float, out_dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.ones(size, dtype=torch.float32, device=device))
         self.eps = eps
+        self.out_dtype = out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
+        return y.to(self.out_dtype)
 
 
 class Attention(nn.Module):
@@ -41,8 +45,11 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias,
-            dtype=dtype, device=device,
+            cfg.hidden_size,
+            cfg.q_size + 2 * cfg.kv_size,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            device=device,
         )
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
@@ -104,7 +111,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        x: torch.Tensor,
+        x: torch.Tensor,  # [num_tokens, hidden] float32 residual stream
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
@@ -124,10 +131,16 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.backend = backend
         rope = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-            dtype, device,
+            cfg.head_dim,
+            cfg.max_position_embeddings,
+            cfg.rope_theta,
+            cfg.rope_scaling,
+            dtype,
+            device,
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, backend, rope, dtype, device) for _ in range(cfg.num_layers)
         )
@@ -144,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm
-        x = self.embed_tokens(input_ids)
+    ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm, in the model dtype
+        # The residual stream stays float32: SmolLM2's activations reach norms of ~1e4, where
+        # bfloat16 sums lose the small components (bf16 greedy output degenerated without this).
+        x = self.embed_tokens(input_ids).float()
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(positions, x, kv_cache, meta)
         return self.norm(x)
@@ -170,7 +185,9 @@ class LlamaForCausalLM(nn.Module):
             rows = tensor.shape[0]
             dst = param[offset : offset + rows] if offset is not None else param
             if dst.shape != tensor.shape:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                raise ValueError(
+                    f"{name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                )
             dst.copy_(tensor)
             missing.discard(target)
         if missing:

@@ -76,6 +76,7 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's tokenizer; for GGUF, transformers rebuilds it from the file's metadata."""
     path = Path(path)
     if _is_gguf(path):
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
@@ -83,7 +84,7 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def _is_gguf(path: Path) -> bool:
-    return path.suffix == ".gguf" and path.is_file()
+    return path.suffix == ".gguf"
 
 
 # --- Hugging Face directory ---------------------------------------------------------------

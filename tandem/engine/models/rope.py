@@ -27,7 +27,9 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(mid, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
     else:
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3"
+        )
     return inv_freq.float()
 
 
@@ -48,6 +50,8 @@ class RotaryEmbedding(torch.nn.Module):
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
         self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
 
