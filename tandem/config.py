@@ -18,7 +18,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def tandem_home() -> Path:
     """Where Tandem keeps downloaded models and caches (`$TANDEM_HOME`, default ~/.cache/tandem)."""
-    return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+    return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem").expanduser()
 
 
 @dataclass(frozen=True)

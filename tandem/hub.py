@@ -26,6 +26,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from tandem.config import tandem_home
+
 _CHUNK = 1 << 20
 
 
@@ -50,9 +52,8 @@ CATALOGUE = {
 
 
 def models_dir() -> Path:
-    """`$TANDEM_HOME/models`; the only place TANDEM_HOME is read."""
-    home = os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem"
-    return Path(home).expanduser() / "models"
+    """`$TANDEM_HOME/models`."""
+    return tandem_home() / "models"
 
 
 def resolve(name_or_path: str | Path) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tandem.config import DEFAULT_MODEL, EngineConfig
 from tandem.engine.detokenizer import IncrementalDetokenizer
@@ -83,7 +83,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
-        batch = [prompts] if _is_single(prompts) else list(prompts)  # type: ignore[arg-type]
+        batch = (
+            [cast(Prompt, prompts)] if _is_single(prompts) else list(cast(list[Prompt], prompts))
+        )
         return self._run([self.encode(p) for p in batch], params)
 
     def chat(

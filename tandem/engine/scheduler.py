@@ -120,15 +120,17 @@ class Scheduler:
             self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.kv_cache.match_prefix(req.all_token_ids)
-            computed = len(prefix) * self.kv_cache.block_size
             if not self.role.computes_prompt(req):
-                if not self.kv_cache.allocate(req.request_id, req.all_token_ids, 0, req.num_tokens):
+                # Reserve the prompt's blocks without hashing them: their KV is not there yet.
+                # They join the prefix cache on the first decode step after it lands.
+                if not self.kv_cache.allocate(req.request_id, (), 0, req.num_tokens):
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.parked[req.request_id] = req
                 continue
+            prefix = self.kv_cache.match_prefix(req.all_token_ids)
+            computed = len(prefix) * self.kv_cache.block_size
             n = req.num_tokens - computed
             if n > budget and not self.config.enable_chunked_prefill:
                 break
