@@ -11,3 +11,40 @@ from tandem import hub
 def smollm2_path() -> Path:
     """The real SmolLM2-135M-Instruct GGUF, pulled once into the default store and reused."""
     return hub.pull("smollm2-135m")
+
+
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (seed 0, vocab 256, EOS id 2) saved as a Hugging Face directory.
+
+    Weights are drawn at 10x the default scale: the logits are peaked enough (top token ~0.1)
+    that a sampled token depends on the model and not only on the sampling noise, and greedy
+    near-ties are rare. Its tokenizer is byte-level BPE without merges, so its 256 tokens are
+    exactly the bytes and `LLM` can load it; built offline in a second or two.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(**TINY_LLAMA, eos_token_id=2, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(path)
+    byte_vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
+    tokenizer = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
+    return path

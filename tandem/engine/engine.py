@@ -76,6 +76,15 @@ class EngineCore:
         validate_prompt_token_ids(
             prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens
         )
+        scheduler = self.config.scheduler
+        if not scheduler.enable_chunked_prefill and (
+            len(prompt_token_ids) > scheduler.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens; with chunked prefill disabled a "
+                f"prompt must fit in one step, max_num_batched_tokens="
+                f"{scheduler.max_num_batched_tokens}"
+            )
         # A request that could never fit would preempt itself forever.
         max_blocks = math.ceil(
             (len(prompt_token_ids) + params.max_tokens) / self.kv_cache.block_size

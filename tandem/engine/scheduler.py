@@ -5,9 +5,10 @@ It schedules tokens, not phases: a request has `num_computed_tokens`, and each s
 split across steps while running decodes keep their one token per step. A prefix-cache hit, or KV
 that arrived from a prefill worker, is just "these tokens are already computed".
 
-Order of a step: running requests first (oldest first), preempting the newest running request by
-recompute when blocks run out; then waiting requests (FCFS, or by priority) while budget, seats
-and blocks last. `update` appends the sampled tokens and finishes requests.
+Order of a step: running requests first (oldest first; most urgent first under the priority
+policy), preempting the newest (least urgent) running request by recompute when blocks run out;
+then waiting requests (FCFS, or by priority) while budget, seats and blocks last. `update` appends
+the sampled tokens and finishes requests.
 
 Roles (colocated, prefill, decode) are a `Role` hooks object consulted at admission and at the
 first token, so one scheduler serves all three.
@@ -29,7 +30,9 @@ class Role:
     """Colocated role: a request is prefilled and decoded here. Subclasses change the hooks."""
 
     def computes_prompt(self, request: Request) -> bool:
-        """False parks the request in WAITING_FOR_REMOTE_KV with blocks reserved for its prompt."""
+        """False parks the request in WAITING_FOR_REMOTE_KV with blocks reserved for its prompt.
+
+        Asked when a request is first admitted; a preempted request always recomputes here."""
         return True
 
     def hands_over_after_first_token(self, request: Request) -> bool:
@@ -94,6 +97,10 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         now = time.monotonic()
+        if self.config.policy == "priority":
+            # Urgent requests claim blocks first, so a victim is never more urgent than a request
+            # already scheduled this step.
+            self.running.sort(key=lambda r: (r.priority, r.arrival_time))
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -118,9 +125,10 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> None:
         if self.config.policy == "priority":
             self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_seated() < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self.role.computes_prompt(req):
+            # A preempted request recomputes here: the KV its role had sent from elsewhere is gone.
+            if req.status == RequestStatus.WAITING and not self.role.computes_prompt(req):
                 # Reserve the prompt's blocks without hashing them: their KV is not there yet.
                 # They join the prefix cache on the first decode step after it lands.
                 if not self.kv_cache.allocate(req.request_id, (), 0, req.num_tokens):
@@ -132,7 +140,11 @@ class Scheduler:
             prefix = self.kv_cache.match_prefix(req.all_token_ids)
             computed = len(prefix) * self.kv_cache.block_size
             n = req.num_tokens - computed
-            if n > budget and not self.config.enable_chunked_prefill:
+            # Without chunking a prompt waits for a step with room for all of it. Only a preempted
+            # request's recompute can exceed a whole step (add_request refuses such prompts);
+            # it is chunked, or it would wait forever.
+            whole = n <= self.config.max_num_batched_tokens
+            if n > budget and whole and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
             if not self.kv_cache.allocate(req.request_id, req.all_token_ids, computed, n, prefix):
@@ -145,6 +157,12 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _num_seated(self) -> int:
+        """Running requests, and parked ones that join the running batch when their KV lands."""
+        return len(self.running) + sum(
+            1 for r in self.parked.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        )
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
         """Among requests not yet scheduled this step: the newest, or under the priority policy
