@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from tandem.config import DEFAULT_MODEL, EngineConfig
@@ -45,6 +45,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
     metrics: RequestMetrics | None = None
+
+    def snapshot(self) -> RequestOutput:
+        """A copy that later steps leave alone (what `LLM.stream` hands out)."""
+        return replace(self, token_ids=list(self.token_ids), logprobs=list(self.logprobs))
 
 
 class LLM:
@@ -99,13 +103,18 @@ class LLM:
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield an output after every step that added text or finished the request."""
+        """Yield a snapshot after every step that added text or finished the request. Closing the
+        iterator early aborts the request, so it does not keep running inside the engine."""
         states = self._add([self.encode(prompt)], params)
         (state,) = states.values()
-        while not state.output.finished:
-            self._step(states)
-            if state.output.delta or state.output.finished:
-                yield state.output
+        try:
+            while not state.output.finished:
+                self._step(states)
+                if state.output.delta or state.output.finished:
+                    yield state.output.snapshot()
+        finally:
+            if not state.output.finished:
+                self.engine.abort(state.request.request_id)
 
     def _run(
         self,
@@ -179,7 +188,8 @@ class _State:
         out.text += out.delta
         if finished:
             out.finished = True
-            out.finish_reason = req.status.value
+            # A stop string in the last allowed token ends the request by "stop", not "length".
+            out.finish_reason = "stop" if self.detok.stop_string is not None else req.status.value
             out.stop_reason = req.stop_reason
             out.metrics = _metrics(req)
 
