@@ -1,5 +1,11 @@
 """Shared fixtures."""
 
+import os
+
+# torch's OpenMP threads spin while they wait; on a 2-core machine shared with other processes
+# the spinning starves the thread doing the work. Must be set before torch is imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 
 import pytest
