@@ -112,9 +112,40 @@ def bench_engine(
     new_tokens: int = 128,
     batch: int = 16,
     rounds: int = 3,
-    json_out: Annotated[str | None, typer.Option("--json", help="Write results here.")] = None,
+    prompts_per_round: Annotated[
+        int, typer.Option(help="Batch-1 prompts per round (the same ones every round).")
+    ] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of the prompt selection.")] = 0,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help="A one-minute pipeline check with tiny sizes (overrides the sizes)."
+        ),
+    ] = False,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
+    ] = None,
 ) -> None:
     """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
-    from tandem.bench.engine import run_engine_bench
+    from tandem.bench.engine import BenchConfig, BenchError, run_engine_bench
 
-    run_engine_bench(model, dtypes.split(","), threads, new_tokens, batch, rounds, json_out)
+    try:
+        config = BenchConfig(
+            model=model,
+            dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()),
+            threads=threads,
+            new_tokens=new_tokens,
+            batch=batch,
+            rounds=rounds,
+            prompts_per_round=prompts_per_round,
+            seed=seed,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if quick:
+        config = config.quick()
+    try:
+        run_engine_bench(config, json_out, console)
+    except BenchError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
