@@ -81,13 +81,14 @@ def test_prefix_hit_reuses_the_freed_request_blocks() -> None:
     assert prefill(kv, "a", a) == [0, 1, 2]
     assert prefill(kv, "b", tokens(5, 100)) == [3, 4]
     kv.free("a")
-    # Free list, least recently freed first: never-used 5, 6, 7, then a's blocks tail first.
-    assert list(kv._free) == [5, 6, 7, 2, 1, 0]
+    # Free list: a's uncached partial block 2 first (warm), never-used 5, 6, 7, then a's cached
+    # blocks tail first.
+    assert list(kv._free) == [2, 5, 6, 7, 1, 0]
     c = [*a[:8], 99, 98]
     assert kv.match_prefix(c) == [0, 1]
     assert kv.allocate("c", c, 8, 2, [0, 1])
     # The cached blocks left the free list; the new block came from its head.
-    assert kv.block_table("c") == [0, 1, 5]
+    assert kv.block_table("c") == [0, 1, 2]
     assert kv.num_free_blocks == 3
     assert kv.stats.evictions == 0
     kv.check_integrity()
@@ -102,7 +103,8 @@ def test_shared_prefix_blocks_are_ref_counted() -> None:
     assert kv.num_free_blocks == 5  # only a's partial block 2 came back
     assert kv.block_table("b") == [0, 1, 3]
     kv.free("b")
-    assert list(kv._free) == [4, 5, 6, 7, 2, 3, 1, 0]
+    # Uncached partial blocks at the head, most recently freed first; cached ones at the tail.
+    assert list(kv._free) == [3, 2, 4, 5, 6, 7, 1, 0]
     kv.check_integrity()
 
 
@@ -135,8 +137,10 @@ def test_prefix_hit_refreshes_lru_position() -> None:
     kv.free("b")
     assert prefill(kv, "a2", [*a, 7]) == [0, 2]  # revives block 0
     kv.free("a2")
-    # Free list is now [1, 2, 0]: b's block, freed before a2's, goes first.
-    assert prefill(kv, "e", tokens(4, 300)) == [1]
+    # Free list is now [2, 1, 0]: a2's uncached block 2, then the cached blocks, b's (freed
+    # before a2's) first.
+    assert prefill(kv, "e", tokens(4, 300)) == [2]
+    assert prefill(kv, "f", tokens(4, 400)) == [1]
     assert kv.match_prefix([*a, 7]) == [0]
     assert kv.match_prefix([*b, 7]) == []
 
@@ -210,7 +214,10 @@ def test_equal_block_is_not_deduplicated() -> None:
     kv.free("a")
     kv.free("b")
     assert kv.match_prefix(prompt) == [0]  # a's block stays the cache entry
-    assert prefill(kv, "c", tokens(24, 100)) == [4, 5, 6, 7, 1, 0]
+    # b's blocks 2, 3 and a's partial block 1 are uncached and go first; then never-used ones,
+    # then a's cached block 0.
+    assert prefill(kv, "c", tokens(24, 100)) == [2, 3, 1, 4, 5, 6]
+    assert prefill(kv, "d", tokens(8, 300)) == [7, 0]
     assert kv.stats.evictions == 1
     kv.check_integrity()
 
