@@ -43,7 +43,7 @@ class BatchedGroup:
 
     token_slice: slice
     block_tables: torch.Tensor  # [B, max_blocks] int64
-    mask: torch.Tensor | None  # [B, 1, max_q, max_ctx] bool; None for equal-length decodes
+    mask: torch.Tensor | None  # [B, 1, group * max_q, max_ctx] bool; None for equal decodes
     query_len: int  # max_q
     context_len: int  # max_ctx
     pad_index: torch.Tensor | None  # [num_tokens_in_group] rows of the padded [B * max_q] layout
@@ -56,6 +56,7 @@ class LongSeq:
     token_slice: slice
     num_computed_tokens: int
     block_table: torch.Tensor  # [num_blocks] int64
+    mask: torch.Tensor  # [1, 1, group * query_len, context_len] bool, causal
 
 
 @dataclass
@@ -114,9 +115,11 @@ class TorchSDPABackend(AttentionBackend):
         for s in seqs[n_short:]:
             n_blocks = -(-s.context_len // self.block_size)
             table = torch.tensor(s.block_table[:n_blocks], device=device)
-            long_seqs.append(
-                LongSeq(slice(start, start + s.query_len), s.num_computed_tokens, table)
-            )
+            q_pos = torch.arange(s.query_len, device=device) + s.num_computed_tokens
+            k_pos = torch.arange(s.context_len, device=device)
+            mask = (k_pos[None, :] <= q_pos[:, None]).repeat(self.num_heads // self.num_kv_heads, 1)
+            tokens = slice(start, start + s.query_len)
+            long_seqs.append(LongSeq(tokens, s.num_computed_tokens, table, mask[None, None]))
             start += s.query_len
         return AttentionMetadata(slot_mapping, batched, long_seqs)
 
@@ -144,6 +147,7 @@ class TorchSDPABackend(AttentionBackend):
                 pad_index = torch.tensor(pad_rows, device=device)
                 # Padded query rows attend to position 0 only, so softmax stays finite.
                 mask[:, :, :, 0] = True
+            mask = mask.repeat(1, 1, self.num_heads // self.num_kv_heads, 1)  # rows (group, q)
         n_tokens = sum(s.query_len for s in seqs)
         return BatchedGroup(
             slice(0, n_tokens), torch.tensor(tables, device=device), mask, max_q, max_ctx, pad_index
@@ -187,12 +191,10 @@ class TorchSDPABackend(AttentionBackend):
             .reshape(num_b, hkv, group * max_q, d)
         )
         ctx = b.context_len
-        keys = kv_cache[0][b.block_tables].view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)
-        values = kv_cache[1][b.block_tables].view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)
-        mask = b.mask
-        if mask is not None and group > 1:
-            mask = mask.repeat(1, 1, group, 1)  # rows ordered (group, max_q) like qh
-        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale)
+        keys = _gather(kv_cache[0], b.block_tables).view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)
+        values = _gather(kv_cache[1], b.block_tables).view(num_b, -1, hkv, d)[:, :ctx]
+        values = values.transpose(1, 2)
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=b.mask, scale=self.scale)
         # [B, hkv, group * max_q, d] -> [B * max_q, hkv * group * d]
         o = o.view(num_b, hkv, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_b * max_q, -1)
         return o if b.pad_index is None else o[b.pad_index]
@@ -208,16 +210,24 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
         n = q.shape[0]
-        qh = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+        # [n, hkv, group, d] -> [1, hkv, group * n, d]
+        qh = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
         if s.num_computed_tokens == 0:
-            keys = k.view(n, hkv, d).transpose(0, 1)
-            values = v.view(n, hkv, d).transpose(0, 1)
+            keys, values = k.view(n, hkv, d), v.view(n, hkv, d)
         else:
             ctx = s.num_computed_tokens + n
-            keys = kv_cache[0][s.block_table].view(-1, hkv, d)[:ctx].transpose(0, 1)
-            values = kv_cache[1][s.block_table].view(-1, hkv, d)[:ctx].transpose(0, 1)
-        q_pos = torch.arange(n, device=q.device) + s.num_computed_tokens
-        k_pos = torch.arange(keys.shape[1], device=q.device)
-        mask = (k_pos[None, :] <= q_pos[:, None]).repeat(group, 1)  # [group * n, ctx]
-        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=self.scale)
+            keys = _gather(kv_cache[0], s.block_table).view(-1, hkv, d)[:ctx]
+            values = _gather(kv_cache[1], s.block_table).view(-1, hkv, d)[:ctx]
+        keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=s.mask, scale=self.scale)
         return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Blocks `block_ids` (any shape) of one layer's K or V cache, as rows of whole blocks.
+
+    `index_select` over a 2-D view copies each block as one contiguous row; on CPU it is ~6x
+    faster than advanced indexing of the 4-D cache.
+    """
+    rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * num_kv_heads * head_dim]
+    return rows.index_select(0, block_ids.reshape(-1))

@@ -16,7 +16,7 @@ from torch import nn
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models.config import ModelConfig
-from tandem.engine.models.rope import RotaryEmbedding
+from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -38,7 +38,6 @@ class Attention(nn.Module):
         self,
         cfg: ModelConfig,
         backend: AttentionBackend,
-        rope: RotaryEmbedding,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -57,11 +56,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
         self.backend = backend
-        self.rope = rope
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,  # [num_tokens, hidden]
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
@@ -73,7 +71,7 @@ class Attention(nn.Module):
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         o = self.backend.forward(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
         return self.o_proj(o)
 
@@ -98,24 +96,23 @@ class DecoderLayer(nn.Module):
         self,
         cfg: ModelConfig,
         backend: AttentionBackend,
-        rope: RotaryEmbedding,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, rope, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.mlp = MLP(cfg, dtype, device)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,  # [num_tokens, hidden] float32 residual stream
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -130,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.backend = backend
-        rope = RotaryEmbedding(
+        self.rope = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
             cfg.rope_theta,
@@ -142,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, rope, dtype, device) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None
@@ -161,8 +158,9 @@ class LlamaForCausalLM(nn.Module):
         # The residual stream stays float32: SmolLM2's activations reach norms of ~1e4, where
         # bfloat16 sums lose the small components (bf16 greedy output degenerated without this).
         x = self.embed_tokens(input_ids).float()
+        cos_sin = self.rope(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(cos_sin, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
