@@ -24,11 +24,17 @@ DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
 
 
 @models_app.command("pull")
-def models_pull(name: str = DEFAULT_MODEL) -> None:
+def models_pull(
+    name: Annotated[str, typer.Argument(help="Catalogue name.")] = DEFAULT_MODEL,
+) -> None:
     """Download a catalogue model into $TANDEM_HOME/models."""
     from tandem import hub
 
-    console.print(f"[green]ready:[/green] {hub.pull(name)}")
+    try:
+        path = hub.pull(name)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="NAME") from None
+    console.print(f"[green]ready:[/green] {path}")
 
 
 @models_app.command("list")

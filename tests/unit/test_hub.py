@@ -124,3 +124,17 @@ def test_tandem_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert hub.models_dir() == tmp_path / "models"
     monkeypatch.delenv("TANDEM_HOME")
     assert hub.models_dir() == Path.home() / ".cache" / "tandem" / "models"
+
+
+def test_cli_models_pull(smollm2_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tandem.cli import app
+
+    runner = CliRunner(env={"COLUMNS": "200"})
+    ok = runner.invoke(app, ["models", "pull", "smollm2-135m"])
+    assert ok.exit_code == 0, ok.output
+    assert str(smollm2_path) in ok.output.replace("\n", "")
+    bad = runner.invoke(app, ["models", "pull", "no-such-model"])
+    assert bad.exit_code == 2
+    assert "unknown model 'no-such-model'" in bad.output
