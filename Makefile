@@ -22,7 +22,7 @@ serve: install
 
 test: install lint
 	$(VENV)/bin/tandem models pull smollm2-135m
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs --durations=10
 
 lint: install
 	$(VENV)/bin/ruff check .
