@@ -13,7 +13,7 @@ import torch
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, AttentionBackend, SeqSpec
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
-from tandem.engine.sampler import Sampler, SamplingBatch, TokenLogprobs
+from tandem.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, seed_for_position
 from tandem.engine.scheduler import SchedulerOutput
 
 __all__ = ["ModelRunner", "StepResult", "TokenLogprobs"]
@@ -95,6 +95,9 @@ class ModelRunner:
         if not reqs:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_sampled, vocab]
+        for r in reqs:
+            if r.generator is not None and r.params.seed is not None:
+                r.generator.manual_seed(seed_for_position(r.params.seed, len(r.output_token_ids)))
         batch = SamplingBatch.build(
             [r.params for r in reqs],
             [r.generator for r in reqs],

@@ -20,8 +20,18 @@ from tandem.engine.sampling_params import SamplingParams
 
 
 def request_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    """The generator a seeded request owns for its whole life; None for unseeded requests."""
+    """The generator a seeded request owns for its whole life; None for unseeded requests.
+
+    Reseed it with `seed_for_position` before each draw: the noise for output position i then
+    depends only on (seed, i), so a seeded request samples the same tokens whether it was
+    preempted and recomputed, or prefilled on one worker and decoded on another.
+    """
     return None if seed is None else torch.Generator(device).manual_seed(seed)
+
+
+def seed_for_position(seed: int, position: int) -> int:
+    """A 64-bit seed for the draw of output token `position` of a request seeded with `seed`."""
+    return (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
 
 
 @dataclass(frozen=True)
