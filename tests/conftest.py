@@ -6,11 +6,23 @@ import os
 # the spinning starves the thread doing the work. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem import hub
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny-model tests gain nothing from intra-op threads; on a busy machine the barrier waits
+    cost seconds. Modules opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from tandem.bench.engine import build_reference
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.loader import iter_weights, load_config
 
 pytestmark = pytest.mark.slow
@@ -49,33 +49,10 @@ def prompts(llm: LLM) -> list[list[int]]:
     ]
 
 
-def hf_llama_config(cfg: ModelConfig) -> LlamaConfig:
-    assert cfg.architecture == "llama" and cfg.rope_scaling is None
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        attention_bias=cfg.attention_bias,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=list(cfg.eos_token_ids),
-        pad_token_id=cfg.eos_token_ids[0],
-    )
-
-
 @pytest.fixture(scope="module")
 def hf_dense(smollm2_path: Path) -> PreTrainedModel:
-    hf = LlamaForCausalLM(hf_llama_config(load_config(smollm2_path))).eval()
-    missing, unexpected = hf.load_state_dict(dict(iter_weights(smollm2_path)), strict=False)
-    assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embeddings
-    assert hf.lm_head.weight is hf.model.embed_tokens.weight
+    hf = build_reference(smollm2_path, dict(iter_weights(smollm2_path)), torch.float32)
+    assert hf.lm_head.weight is hf.model.embed_tokens.weight  # tied
     return hf
 
 

@@ -4,11 +4,9 @@ is allocated: the cache and the scheduler look exactly as they did before the ca
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
@@ -20,12 +18,7 @@ MAX_MODEL_LEN = 64
 OK_PROMPT = [5, 6, 7, 8]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ the colocated engine's, token for token.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,12 +36,7 @@ class DecodeRole(Role):
         return False
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_engine(path: Path, role: Role | None = None, **overrides: object) -> EngineCore:

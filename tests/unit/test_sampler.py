@@ -2,7 +2,7 @@
 min_tokens and logprobs."""
 
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -25,14 +25,7 @@ VOCAB = 64
 EOS = 7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    # Tensors here are tiny: intra-op threads only add barrier waits, seconds of them when the
-    # machine is busy.
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(
