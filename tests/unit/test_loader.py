@@ -130,3 +130,11 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 def test_missing_safetensors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"model\.safetensors"):
         list(iter_weights(tmp_path))
+
+
+def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(**TINY, sliding_window=64)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    assert load_config(tmp_path).max_position_embeddings == 64

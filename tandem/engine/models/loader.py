@@ -113,7 +113,7 @@ def _hf_config(path: Path) -> ModelConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=_context_len(raw),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         # Qwen2 always has q/k/v biases and its config has no flag for them.
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
@@ -121,6 +121,19 @@ def _hf_config(path: Path) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
     )
+
+
+def _context_len(raw: dict[str, Any]) -> int:
+    """max_position_embeddings, capped at the sliding window where one applies (Mistral).
+
+    The engine attends over the whole context, which equals sliding-window attention only while
+    the context fits in the window.
+    """
+    context_len: int = raw.get("max_position_embeddings", 2048)
+    window = raw.get("sliding_window")
+    if window and raw.get("use_sliding_window", True):
+        context_len = min(context_len, window)
+    return context_len
 
 
 def _hf_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
