@@ -138,3 +138,24 @@ def test_sliding_window_caps_the_context(tmp_path: Path) -> None:
     cfg = MistralConfig(**TINY, sliding_window=64)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
     assert load_config(tmp_path).max_position_embeddings == 64
+
+
+def test_gguf_tokenizer_is_cached(
+    smollm2_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tandem.engine.models.loader import load_tokenizer
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    built = load_tokenizer(smollm2_path)
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    cached = load_tokenizer(smollm2_path)
+    assert cached.name_or_path == str(saved)
+    text = "Hello world, naïve café 🙂\n  def f(x): return x"
+    ids = built(text)["input_ids"]
+    assert cached(text)["input_ids"] == ids
+    assert cached.decode(ids) == built.decode(ids)
+    chat = [{"role": "user", "content": "hi"}]
+    assert cached.apply_chat_template(chat, tokenize=False) == built.apply_chat_template(
+        chat, tokenize=False
+    )
+    assert (cached.bos_token_id, cached.eos_token_id) == (built.bos_token_id, built.eos_token_id)

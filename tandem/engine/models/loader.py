@@ -6,9 +6,12 @@ names, and a `transformers` tokenizer. The model code never sees which format it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from tandem.config import tandem_home
 from tandem.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 GGUF_ARCHITECTURES = frozenset(SUPPORTED_ARCHITECTURES.values())
@@ -76,11 +80,29 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The checkpoint's tokenizer; for GGUF, transformers rebuilds it from the file's metadata."""
+    """The checkpoint's tokenizer.
+
+    For GGUF, transformers rebuilds it from the file's metadata, which takes seconds; the result
+    is saved under `$TANDEM_HOME/tokenizers`, keyed by the file's name, size and mtime, and
+    loaded from there next time.
+    """
     path = Path(path)
-    if _is_gguf(path):
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
+    if not _is_gguf(path):
+        return AutoTokenizer.from_pretrained(str(path))
+    stat = path.stat()
+    cached = tandem_home() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if cached.is_dir():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".partial-"))
+    try:
+        tokenizer.save_pretrained(partial)
+        with contextlib.suppress(OSError):  # another process saved it first
+            partial.rename(cached)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already after the rename
+    return tokenizer
 
 
 def _is_gguf(path: Path) -> bool:
