@@ -100,14 +100,13 @@ def serve(
     device: DeviceOpt = "cpu",
 ) -> None:
     """Start Tandem. (Until the cluster lands: the offline engine answers a demo chat.)"""
-    generate(
-        "What is disaggregated LLM serving? Answer in two sentences.",
-        chat=True,
-        max_tokens=96,
-        model=model,
-        dtype=dtype,
-        device=device,
+    console.print(
+        "[yellow]The serving cluster is not built yet; the offline engine answers a demo chat."
+        "[/yellow]"
     )
+    prompt = "In one sentence, what does a language model do?"
+    console.print(f"[bold]user:[/bold] {prompt}")
+    generate(prompt, chat=True, max_tokens=96, model=model, dtype=dtype, device=device)
 
 
 @bench_app.command("engine")
