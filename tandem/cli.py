@@ -63,6 +63,8 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
+    spec: Annotated[str | None, typer.Option(help="Speculative decoding: ngram.")] = None,
+    num_spec_tokens: int = 5,
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
@@ -70,7 +72,11 @@ def generate(
     """Generate a completion with the offline engine, streamed to the terminal."""
     from tandem.engine import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, device=device)
+    speculative = {"method": spec, "num_speculative_tokens": num_spec_tokens} if spec else None
+    try:
+        llm = LLM(model, dtype=dtype, device=device, speculative=speculative)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     try:
         params.validate(llm.engine.vocab_size)
@@ -87,9 +93,12 @@ def generate(
         m = last.metrics
         tpot = f"{m.tpot * 1e3:.1f} ms" if m.tpot else "-"
         ttft = f"{m.ttft * 1e3:.0f} ms" if m.ttft else "-"
+        accepted = ""
+        if m.num_draft_tokens:
+            accepted = f", accepted {m.num_accepted_tokens}/{m.num_draft_tokens} drafts"
         console.print(
             f"[dim]{m.n_prompt} prompt + {m.n_out} output tokens, "
-            f"TTFT {ttft}, TPOT {tpot}, finish={last.finish_reason}[/dim]"
+            f"TTFT {ttft}, TPOT {tpot}{accepted}, finish={last.finish_reason}[/dim]"
         )
 
 

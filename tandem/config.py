@@ -77,14 +77,43 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding; `method=None` turns it off."""
+
+    method: str | None = None  # "ngram"
+    num_speculative_tokens: int = 5
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative method must be 'ngram' or None, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     @classmethod
-    def create(cls, model: str = DEFAULT_MODEL, **overrides: Any) -> EngineConfig:
-        """Flat keyword form (`dtype=`, `block_size=`, `max_num_seqs=`...) routed to its section."""
+    def create(
+        cls,
+        model: str = DEFAULT_MODEL,
+        speculative: dict[str, Any] | None = None,
+        **overrides: Any,
+    ) -> EngineConfig:
+        """Flat keyword form (`dtype=`, `block_size=`, `max_num_seqs=`...) routed to its section;
+        `speculative={"method": "ngram", "num_speculative_tokens": 5}` as in vLLM."""
         sections: dict[str, dict[str, Any]] = {
             "model": {"model": model},
             "cache": {},
@@ -107,6 +136,7 @@ class EngineConfig:
             ModelSettings(**sections["model"]),
             CacheConfig(**sections["cache"]),
             SchedulerConfig(**sections["scheduler"]),
+            SpecConfig(**(speculative or {})),
         )
 
     def with_model(self, **changes: Any) -> EngineConfig:

@@ -20,6 +20,7 @@ from tandem.engine.runner import ModelRunner, TokenLogprobs
 from tandem.engine.sampler import request_generator
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.engine.scheduler import Role, Scheduler
+from tandem.engine.spec.ngram import NgramProposer
 
 
 @dataclass
@@ -62,7 +63,12 @@ class EngineCore:
         self.runner = ModelRunner(
             self.model, num_blocks, block_size, mc.torch_dtype, mc.torch_device, cfg.eos_token_ids
         )
-        self._seed_counter = 0
+        spec = config.spec
+        self.proposer = (
+            NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+            if spec.method == "ngram"
+            else None
+        )
 
     def add_request(
         self,
@@ -117,11 +123,24 @@ class EngineCore:
         }
         result = self.runner.execute(out, tables)
         changed = self.scheduler.update(out, result.tokens)
+        if self.proposer is not None:
+            for req in self.scheduler.running:
+                req.spec_token_ids = self._propose(req)
         return [
             RequestDelta(
-                r,
-                [result.tokens[r.request_id]],
-                [result.logprobs[r.request_id]] if r.request_id in result.logprobs else [],
+                r, kept, [result.logprobs[r.request_id]] if r.request_id in result.logprobs else []
             )
-            for r in changed
+            for r, kept in changed
         ]
+
+    def _propose(self, req: Request) -> list[int]:
+        """Drafts for a decoding request's next step, never past max_tokens or the context."""
+        assert self.proposer is not None
+        if req.params.logprobs is not None or req.num_tokens - req.num_computed_tokens != 1:
+            return []  # logprobs are not computed for verified tokens yet
+        room = min(
+            req.params.max_tokens - len(req.output_token_ids),
+            self.max_model_len - req.num_tokens,
+        )
+        k = min(self.proposer.k, room - 1)
+        return self.proposer.propose(req.all_token_ids, k) if k > 0 else []

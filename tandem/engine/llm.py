@@ -31,6 +31,8 @@ class RequestMetrics:
     tpot: float | None  # (last - first token time) / (n_out - 1), only when n_out > 1
     e2e: float | None  # last token time - arrival
     num_preemptions: int
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -208,4 +210,13 @@ def _metrics(req: Request) -> RequestMetrics:
         e2e = m.last_token_time - m.arrival_time
         if n_out > 1:
             tpot = (m.last_token_time - m.first_token_time) / (n_out - 1)
-    return RequestMetrics(req.num_prompt_tokens, n_out, ttft, tpot, e2e, m.num_preemptions)
+    return RequestMetrics(
+        req.num_prompt_tokens,
+        n_out,
+        ttft,
+        tpot,
+        e2e,
+        m.num_preemptions,
+        m.num_draft_tokens,
+        m.num_accepted_tokens,
+    )

@@ -39,6 +39,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    num_draft_tokens: int = 0  # speculative tokens verified
+    num_accepted_tokens: int = 0  # of those, accepted
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -13,15 +13,25 @@ import torch
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, AttentionBackend, SeqSpec
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
-from tandem.engine.sampler import Sampler, SamplingBatch, TokenLogprobs, seed_for_position
-from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.sampler import (
+    Sampler,
+    SamplingBatch,
+    TokenLogprobs,
+    apply_penalties,
+    processed_probs,
+    seed_for_position,
+)
+from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.spec.rejection import rejection_sample
 
 __all__ = ["ModelRunner", "StepResult", "TokenLogprobs"]
 
 
 @dataclass
 class StepResult:
-    tokens: dict[str, int]  # request id -> sampled token, for requests that reached their end
+    # request id -> its new tokens (one, or accepted drafts + one), for requests that reached
+    # the end of their known tokens
+    tokens: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs]  # for those of them that asked for logprobs
 
 
@@ -30,8 +40,8 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     seqs: list[SeqSpec]
-    sample_indices: torch.Tensor  # [num_sampled] rows of the token batch whose logits are needed
-    sampled_requests: list[Request]
+    sample_indices: torch.Tensor  # [num_rows] rows of the token batch whose logits are needed
+    sampled: list[ScheduledRequest]  # one logits row each, k + 1 rows with k drafts
 
 
 class ModelRunner:
@@ -67,16 +77,18 @@ class ModelRunner:
         positions: list[int] = []
         seqs: list[SeqSpec] = []
         sample_indices: list[int] = []
-        sampled: list[Request] = []
+        sampled: list[ScheduledRequest] = []
         for s in scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             input_ids.extend(req.all_token_ids[start:end])
+            input_ids.extend(s.draft_token_ids)  # beyond the known tokens
             positions.extend(range(start, end))
             seqs.append(SeqSpec(start, s.num_new_tokens, block_tables[req.request_id]))
             if s.samples:
-                sample_indices.append(len(input_ids) - 1)
-                sampled.append(req)
+                num_rows = len(s.draft_token_ids) + 1
+                sample_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
+                sampled.append(s)
         dev = self.device
         return ModelInput(
             torch.tensor(input_ids, device=dev),
@@ -91,26 +103,86 @@ class ModelRunner:
         inp = self.prepare(out, block_tables)
         meta = self.backend.build_metadata(inp.seqs, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
-        reqs = inp.sampled_requests
-        if not reqs:
+        if not inp.sampled:
             return StepResult({}, {})
-        logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_sampled, vocab]
-        for r in reqs:
+        logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_rows, vocab]
+        plain_rows: list[int] = []
+        plain: list[Request] = []
+        verify: list[tuple[ScheduledRequest, int]] = []  # with the index of its first row
+        row = 0
+        for s in inp.sampled:
+            r = s.request
             if r.generator is not None and r.params.seed is not None:
                 r.generator.manual_seed(seed_for_position(r.params.seed, len(r.output_token_ids)))
-        batch = SamplingBatch.build(
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            [r.prompt_token_ids for r in reqs],
-            [r.output_token_ids for r in reqs],
+            if s.draft_token_ids:
+                verify.append((s, row))
+            else:
+                plain_rows.append(row)
+                plain.append(r)
+            row += len(s.draft_token_ids) + 1
+        result = StepResult({}, {})
+        if plain:
+            self._sample(logits[plain_rows] if verify else logits, plain, result)
+        if verify:
+            self._verify(logits, verify, result)
+        return result
+
+    def _batch(
+        self, requests: list[Request], output_ids: list[list[int]] | None = None
+    ) -> SamplingBatch:
+        return SamplingBatch.build(
+            [r.params for r in requests],
+            [r.generator for r in requests],
+            [r.prompt_token_ids for r in requests],
+            output_ids or [r.output_token_ids for r in requests],
             self.model.cfg.vocab_size,
             self.device,
             self.eos_token_ids,
         )
-        result = self.sampler(logits, batch)
-        tokens = dict(zip((r.request_id for r in reqs), result.token_ids.tolist(), strict=True))
-        logprobs = {}
-        if result.logprobs is not None:
-            lists = result.logprobs.to_lists(batch.num_logprobs)
-            logprobs = {r.request_id: lp for r, lp in zip(reqs, lists, strict=True) if lp}
-        return StepResult(tokens, logprobs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request], result: StepResult) -> None:
+        batch = self._batch(reqs)
+        out = self.sampler(logits, batch)
+        for r, token in zip(reqs, out.token_ids.tolist(), strict=True):
+            result.tokens[r.request_id] = [token]
+        if out.logprobs is not None:
+            lists = out.logprobs.to_lists(batch.num_logprobs)
+            result.logprobs.update(
+                (r.request_id, lp) for r, lp in zip(reqs, lists, strict=True) if lp
+            )
+
+    def _verify(
+        self,
+        logits: torch.Tensor,  # [num_rows, vocab]
+        verify: list[tuple[ScheduledRequest, int]],
+        result: StepResult,
+    ) -> None:
+        """Speculative requests: the target distribution at every draft position and the bonus
+        position (penalties see the drafts before each position), then exact verification."""
+        rows: list[int] = []
+        row_reqs: list[Request] = []
+        row_outputs: list[list[int]] = []
+        for s, first in verify:
+            for i in range(len(s.draft_token_ids) + 1):
+                rows.append(first + i)
+                row_reqs.append(s.request)
+                row_outputs.append(s.request.output_token_ids + list(s.draft_token_ids[:i]))
+        batch = self._batch(row_reqs, row_outputs)
+        probs = processed_probs(apply_penalties(logits[rows], batch), batch)  # [rows, vocab]
+        max_k = max(len(s.draft_token_ids) for s, _ in verify)
+        target = probs.new_zeros(len(verify), max_k + 1, probs.shape[1])
+        draft_ids = torch.full((len(verify), max_k), -1, dtype=torch.long)
+        start = 0
+        for i, (s, _) in enumerate(verify):
+            k = len(s.draft_token_ids)
+            target[i, : k + 1] = probs[start : start + k + 1]
+            draft_ids[i, :k] = torch.tensor(s.draft_token_ids)
+            start += k + 1
+        requests = [s.request for s, _ in verify]
+        greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
+        out = rejection_sample(
+            target, draft_ids.to(self.device), None, greedy, [r.generator for r in requests]
+        )
+        tokens, emitted = out.token_ids.tolist(), out.num_emitted.tolist()
+        for i, r in enumerate(requests):
+            result.tokens[r.request_id] = tokens[i][: emitted[i]]

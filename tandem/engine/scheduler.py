@@ -43,13 +43,15 @@ class Role:
 @dataclass(frozen=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including the draft tokens
+    draft_token_ids: tuple[int, ...] = ()  # speculative tokens verified in this step
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the end of the known tokens, so a token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        known = self.num_new_tokens - len(self.draft_token_ids)
+        return r.num_computed_tokens + known == r.num_tokens
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts: tuple[int, ...] = ()
+            if n == 1 and req.spec_token_ids:  # a decode with drafts verifies them in one pass
+                drafts = tuple(req.spec_token_ids[: budget - 1])
+                n += len(drafts)
             while not self._allocate(req, n):  # blocks ran out: preempt by recompute
                 victim = self._pick_victim(self.running[i:])
                 self.running.remove(victim)
@@ -114,7 +120,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled.append(ScheduledRequest(req, n))
+                scheduled.append(ScheduledRequest(req, n, drafts))
                 budget -= n
                 i += 1
 
@@ -183,27 +189,41 @@ class Scheduler:
 
     # -- update -----------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests; `sampled` maps request id -> its new token.
+    def update(
+        self, output: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[tuple[Request, list[int]]]:
+        """Advance the scheduled requests; `sampled` maps request id -> its new tokens (one, or
+        the accepted drafts and the token after them).
 
-        Returns the requests that got a token or finished this step.
+        Returns each request that got tokens this step, with the tokens it kept (a stop may cut
+        them short).
         """
         now = time.monotonic()
-        changed: list[Request] = []
+        changed: list[tuple[Request, list[int]]] = []
         for s in output.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            if req.request_id not in sampled:
+            tokens = sampled.get(req.request_id)
+            # KV is valid up to the last accepted draft; rejected drafts' slots lie beyond
+            # num_computed_tokens, unseen by attention, and are overwritten by the next step.
+            rejected = len(s.draft_token_ids) - (len(tokens) - 1) if tokens else 0
+            req.num_computed_tokens += s.num_new_tokens - rejected
+            if tokens is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_output(sampled[req.request_id], now)
-            changed.append(req)
-            status = self._check_stop(req)
-            if status is not None:
-                self.finish(req.request_id, status)
-            elif self.role.hands_over_after_first_token(req):
-                self.running.remove(req)
-                req.status = RequestStatus.FINISHED_PREFILLED
-                self.parked[req.request_id] = req
+            req.metrics.num_draft_tokens += len(s.draft_token_ids)
+            req.metrics.num_accepted_tokens += len(s.draft_token_ids) - rejected
+            kept: list[int] = []
+            for token in tokens:
+                req.append_output(token, now)
+                kept.append(token)
+                if (status := self._check_stop(req)) is not None:
+                    self.finish(req.request_id, status)
+                    break
+            else:
+                if self.role.hands_over_after_first_token(req):
+                    self.running.remove(req)
+                    req.status = RequestStatus.FINISHED_PREFILLED
+                    self.parked[req.request_id] = req
+            changed.append((req, kept))
         return changed
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
