@@ -84,8 +84,11 @@ class SpecConfig:
     num_speculative_tokens: int = 5
     ngram_min: int = 1
     ngram_max: int = 4
+    disable_batch_size: int = 32  # no drafts once this many requests run; fewer as it nears
 
     def __post_init__(self) -> None:
+        if self.disable_batch_size < 1:
+            raise ValueError(f"disable_batch_size must be >= 1, got {self.disable_batch_size}")
         if self.method not in (None, "ngram"):
             raise ValueError(f"speculative method must be 'ngram' or None, got {self.method!r}")
         if self.num_speculative_tokens < 1:

@@ -20,6 +20,7 @@ from tandem.engine.runner import ModelRunner, TokenLogprobs
 from tandem.engine.sampler import request_generator
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.engine.scheduler import Role, Scheduler
+from tandem.engine.spec.adaptive import num_draft_tokens
 from tandem.engine.spec.ngram import NgramProposer
 
 
@@ -124,8 +125,9 @@ class EngineCore:
         result = self.runner.execute(out, tables)
         changed = self.scheduler.update(out, result.tokens)
         if self.proposer is not None:
+            batch_size = len(self.scheduler.running)
             for req in self.scheduler.running:
-                req.spec_token_ids = self._propose(req)
+                req.spec_token_ids = self._propose(req, batch_size)
         return [
             RequestDelta(
                 r, kept, [result.logprobs[r.request_id]] if r.request_id in result.logprobs else []
@@ -133,8 +135,9 @@ class EngineCore:
             for r, kept in changed
         ]
 
-    def _propose(self, req: Request) -> list[int]:
-        """Drafts for a decoding request's next step, never past max_tokens or the context."""
+    def _propose(self, req: Request, batch_size: int) -> list[int]:
+        """Drafts for a decoding request's next step, as many as its acceptance and the batch
+        size warrant, never past max_tokens or the context."""
         assert self.proposer is not None
         if req.params.logprobs is not None or req.num_tokens - req.num_computed_tokens != 1:
             return []  # logprobs are not computed for verified tokens yet
@@ -142,5 +145,9 @@ class EngineCore:
             req.params.max_tokens - len(req.output_token_ids),
             self.max_model_len - req.num_tokens,
         )
-        k = min(self.proposer.k, room - 1)
+        spec = self.config.spec
+        k = num_draft_tokens(
+            spec.num_speculative_tokens, req.spec_acceptance, batch_size, spec.disable_batch_size
+        )
+        k = min(k, room - 1)
         return self.proposer.propose(req.all_token_ids, k) if k > 0 else []

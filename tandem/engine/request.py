@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.spec.adaptive import INITIAL_ACCEPTANCE
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +58,7 @@ class Request:
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
+    spec_acceptance: float = INITIAL_ACCEPTANCE  # moving average of the draft acceptance rate
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
+from tandem.engine.spec.adaptive import update_acceptance
 
 
 class Role:
@@ -209,8 +210,13 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens - rejected
             if tokens is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            req.metrics.num_draft_tokens += len(s.draft_token_ids)
-            req.metrics.num_accepted_tokens += len(s.draft_token_ids) - rejected
+            if s.draft_token_ids:
+                num_accepted = len(s.draft_token_ids) - rejected
+                req.metrics.num_draft_tokens += len(s.draft_token_ids)
+                req.metrics.num_accepted_tokens += num_accepted
+                req.spec_acceptance = update_acceptance(
+                    req.spec_acceptance, len(s.draft_token_ids), num_accepted
+                )
             kept: list[int] = []
             for token in tokens:
                 req.append_output(token, now)

@@ -1,0 +1,51 @@
+"""Draft length adapts to acceptance and turns speculation off as the batch grows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine.engine import EngineCore
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.spec.adaptive import num_draft_tokens, update_acceptance
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_draft_length_follows_acceptance() -> None:
+    assert num_draft_tokens(5, 1.0, 1, 32) == 5
+    assert num_draft_tokens(5, 0.9, 1, 32) == 5  # 0.9**5 = 0.59
+    assert num_draft_tokens(5, 0.6, 1, 32) == 2  # 0.6**2 = 0.36, 0.6**3 = 0.22
+    assert num_draft_tokens(5, 0.1, 1, 32) == 1  # keep probing
+    assert num_draft_tokens(5, 0.0, 1, 32) == 1
+
+
+def test_draft_length_shrinks_with_the_batch_and_stops() -> None:
+    ks = [num_draft_tokens(8, 1.0, b, 32) for b in (1, 8, 16, 24, 31, 32, 64)]
+    assert ks == [8, 6, 4, 2, 1, 0, 0]
+
+
+def test_acceptance_moving_average() -> None:
+    a = 0.6
+    for _ in range(20):
+        a = update_acceptance(a, 4, 0)
+    assert a < 0.01
+    assert update_acceptance(0.5, 4, 4) == pytest.approx(0.65)
+
+
+def test_no_drafts_at_or_above_the_disable_batch_size(tiny_llama_path: Path) -> None:
+    engine = EngineCore(
+        EngineConfig.create(
+            str(tiny_llama_path),
+            speculative={"method": "ngram", "num_speculative_tokens": 4, "disable_batch_size": 3},
+            num_blocks=256,
+            block_size=4,
+        )
+    )
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(f"r{i}", [5, 6, 7] * 6, params) for i in range(3)]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(r.metrics.num_draft_tokens == 0 for r in reqs)
