@@ -6,7 +6,7 @@ Derived values are properties. Environment variables are read here and nowhere e
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +141,3 @@ class EngineConfig:
             SchedulerConfig(**sections["scheduler"]),
             SpecConfig(**(speculative or {})),
         )
-
-    def with_model(self, **changes: Any) -> EngineConfig:
-        return replace(self, model=replace(self.model, **changes))
