@@ -25,6 +25,7 @@ from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec.adaptive import update_acceptance
+from tandem.engine.spec.metrics import SpecStats
 
 
 class Role:
@@ -83,6 +84,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # waiting for remote KV, or held for hand-over
         self.requests: dict[str, Request] = {}
+        self.spec_stats = SpecStats()
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -214,6 +216,7 @@ class Scheduler:
                 num_accepted = len(s.draft_token_ids) - rejected
                 req.metrics.num_draft_tokens += len(s.draft_token_ids)
                 req.metrics.num_accepted_tokens += num_accepted
+                self.spec_stats.observe(len(s.draft_token_ids), num_accepted)
                 req.spec_acceptance = update_acceptance(
                     req.spec_acceptance, len(s.draft_token_ids), num_accepted
                 )

@@ -49,3 +49,36 @@ def test_no_drafts_at_or_above_the_disable_batch_size(tiny_llama_path: Path) -> 
     while engine.has_unfinished():
         engine.step()
     assert all(r.metrics.num_draft_tokens == 0 for r in reqs)
+
+
+def test_spec_stats_count_as_benchmarks_define_them() -> None:
+    from tandem.engine.spec.metrics import SpecStats
+
+    stats = SpecStats()
+    stats.observe(4, 2)  # drafts 0, 1 accepted; 2, 3 not
+    stats.observe(2, 2)
+    stats.observe(3, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 4)
+    assert stats.acceptance_rate == pytest.approx(4 / 9)
+    assert stats.mean_acceptance_length == pytest.approx(1 + 4 / 3)
+    assert stats.drafted_per_position == [3, 3, 2, 1]
+    assert stats.per_position_rates == pytest.approx([2 / 3, 2 / 3, 0, 0])
+
+
+def test_engine_spec_stats_match_request_metrics(tiny_llama_path: Path) -> None:
+    engine = EngineCore(
+        EngineConfig.create(
+            str(tiny_llama_path),
+            speculative={"method": "ngram", "num_speculative_tokens": 4},
+            num_blocks=256,
+            block_size=4,
+        )
+    )
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(f"r{i}", [5, 6, 7, 8] * (3 + i), params) for i in range(3)]
+    while engine.has_unfinished():
+        engine.step()
+    stats = engine.scheduler.spec_stats
+    assert stats.num_draft_tokens == sum(r.metrics.num_draft_tokens for r in reqs) > 0
+    assert stats.num_accepted_tokens == sum(r.metrics.num_accepted_tokens for r in reqs)
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
