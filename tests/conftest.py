@@ -43,6 +43,12 @@ TINY_LLAMA = dict(
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_kwargs() -> dict[str, int]:
+    """The shape of the tiny random models (LlamaConfig/Qwen2Config/Qwen3Config keywords)."""
+    return dict(TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama (seed 0, vocab 256, EOS id 2) saved as a Hugging Face directory.
 

@@ -18,19 +18,10 @@ from tandem.engine.engine import EngineCore
 from tandem.engine.sampling_params import SamplingParams
 
 ATOL = 1e-4
-TINY = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 CONFIGS = {
-    "llama": lambda: LlamaConfig(**TINY, rope_theta=10000.0),
-    "llama3-scaled": lambda: LlamaConfig(
-        **TINY,
+    "llama": lambda tiny: LlamaConfig(**tiny, rope_theta=10000.0),
+    "llama3-scaled": lambda tiny: LlamaConfig(
+        **tiny,
         rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,
@@ -39,16 +30,20 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "qwen2": lambda: Qwen2Config(**TINY),
-    "qwen3": lambda: Qwen3Config(**TINY, head_dim=16),
-    "tied": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    "qwen2": lambda tiny: Qwen2Config(**tiny),
+    "qwen3": lambda tiny: Qwen3Config(**tiny, head_dim=16),
+    "tied": lambda tiny: LlamaConfig(**tiny, tie_word_embeddings=True),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+def tiny_model(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_llama_kwargs: dict[str, int],
+):
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(CONFIGS[request.param]()).eval()
+    hf = AutoModelForCausalLM.from_config(CONFIGS[request.param](tiny_llama_kwargs)).eval()
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return path, hf
@@ -102,26 +97,26 @@ def make_engine(path: Path, **overrides) -> EngineCore:
     return EngineCore(EngineConfig.create(str(path), num_blocks=64, block_size=4, **overrides))
 
 
-def prompts_of(lengths: list[int], seed: int = 1) -> list[list[int]]:
+def prompts_of(lengths: list[int], vocab_size: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, TINY["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
 def test_one_prompt(tiny_model) -> None:
     path, hf = tiny_model
-    prompts = prompts_of([13])
+    prompts = prompts_of([13], hf.config.vocab_size)
     check(hf, prompts, run(make_engine(path), prompts, 6), 6)
 
 
 def test_batch_of_different_lengths(tiny_model) -> None:
     path, hf = tiny_model
-    prompts = prompts_of([3, 17, 9, 1, 30])
+    prompts = prompts_of([3, 17, 9, 1, 30], hf.config.vocab_size)
     check(hf, prompts, run(make_engine(path), prompts, 5), 5)
 
 
 def test_chunked_prefill(tiny_model) -> None:
     path, hf = tiny_model
-    prompts = prompts_of([45, 7])
+    prompts = prompts_of([45, 7], hf.config.vocab_size)
     engine = make_engine(path, max_num_batched_tokens=8)
     check(hf, prompts, run(engine, prompts, 4), 4)
 
@@ -129,7 +124,7 @@ def test_chunked_prefill(tiny_model) -> None:
 def test_prefix_cache_hit(tiny_model) -> None:
     path, hf = tiny_model
     engine = make_engine(path)
-    shared = prompts_of([21])[0]
+    shared = prompts_of([21], hf.config.vocab_size)[0]
     run(engine, [shared], 2)
     hits_before = engine.kv_cache.stats.prefix_hits
     prompts = [[*shared, 5, 6, 7], shared[:10]]
