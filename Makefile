@@ -27,14 +27,14 @@ test: install lint
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy tandem
+	$(VENV)/bin/mypy tandem kv_transfer
 
 bench: install
 	$(VENV)/bin/tandem models pull smollm2-135m
 	$(VENV)/bin/tandem bench engine --json bench-results/engine.json
 
 proto: install
-	@echo "no .proto files yet (the serving-cluster issue adds proto/tandem/v1)"
+	$(PY) -m tandem.protogen
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

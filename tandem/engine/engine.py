@@ -6,6 +6,7 @@ No tokenizer and no network here: the offline API (`llm.py`) and the workers wra
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +20,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, TokenLogprobs
 from tandem.engine.sampler import request_generator
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
-from tandem.engine.scheduler import Role, Scheduler
+from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.spec.adaptive import num_draft_tokens
 from tandem.engine.spec.ngram import NgramProposer
 
@@ -122,7 +123,7 @@ class EngineCore:
             s.request.request_id: self.kv_cache.block_table(s.request.request_id)
             for s in out.scheduled
         }
-        result = self.runner.execute(out, tables)
+        result = self.runner.execute(out, tables, self._layer_hook(out))
         changed = self.scheduler.update(out, result.tokens)
         if self.proposer is not None:
             batch_size = len(self.scheduler.running)
@@ -134,6 +135,20 @@ class EngineCore:
             )
             for r, kept in changed
         ]
+
+    def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
+        """The role's per-layer callback for the prompts that complete in this step, if any."""
+        role = self.scheduler.role
+        if not role.streams_layers:
+            return None
+        done = [
+            s.request
+            for s in out.scheduled
+            if s.request.num_computed_tokens
+            < s.request.num_prompt_tokens
+            <= s.request.num_computed_tokens + s.num_new_tokens
+        ]
+        return (lambda layer: role.prompt_layer_computed(layer, done)) if done else None
 
     def _propose(self, req: Request, batch_size: int) -> list[int]:
         """Drafts for a decoding request's next step, as many as its acceptance and the batch

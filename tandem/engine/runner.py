@@ -6,6 +6,7 @@ Owns the model, the KV cache tensors and the attention backend. Requests with sh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,17 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
 
+    def use_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        """Compute into caller-provided KV tensors (e.g. shared memory) of the same layout; call
+        before the first step, since the current caches' contents are not copied."""
+        ours = self.kv_caches
+        if len(kv_caches) != len(ours) or any(
+            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+            for a, b in zip(kv_caches, ours, strict=False)
+        ):
+            raise ValueError("KV caches must match the engine's layers, shape, dtype and device")
+        self.kv_caches = kv_caches
+
     @staticmethod
     def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
         cfg = model.cfg
@@ -99,10 +111,15 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+    def execute(
+        self,
+        out: SchedulerOutput,
+        block_tables: dict[str, list[int]],
+        after_layer: Callable[[int], None] | None = None,
+    ) -> StepResult:
         inp = self.prepare(out, block_tables)
         meta = self.backend.build_metadata(inp.seqs, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, after_layer)
         if not inp.sampled:
             return StepResult({}, {})
         logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_rows, vocab]

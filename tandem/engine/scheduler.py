@@ -41,6 +41,12 @@ class Role:
         """True ends the request after its first token with its blocks held (FINISHED_PREFILLED)."""
         return False
 
+    def prompt_layer_computed(self, layer: int, requests: list[Request]) -> None:
+        """Layer `layer` of the whole prompt of each request is in its blocks (called during the
+        step that computes the prompt's last chunk, once per layer, when `streams_layers`)."""
+
+    streams_layers = False
+
 
 @dataclass(frozen=True)
 class ScheduledRequest:

@@ -8,7 +8,7 @@ time (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a layer costs four 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -154,13 +154,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm, in the model dtype
+        """`after_layer(i)` runs once layer i has written its KV (the prefill role streams it)."""
         # The residual stream stays float32: SmolLM2's activations reach norms of ~1e4, where
         # bfloat16 sums lose the small components (bf16 greedy output degenerated without this).
         x = self.embed_tokens(input_ids).float()
         cos_sin = self.rope(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(cos_sin, x, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32

@@ -1,0 +1,412 @@
+"""Decode side of KV transfer: reservations, the KVTransfer gRPC service, and polling.
+
+One reservation per request (states in `kv_transfer.state`):
+
+    expect()             Bootstrapping -> WaitingForInput; the ticket goes to the router
+    header, matches      -> Transferring; the receiver answers ACCEPTED
+    all layers, trailer  -> Success; the receiver answers DONE
+    anything else        -> Failed(cause): timeout, lost peer, bad metadata, cancel()
+
+The decode worker calls `poll()` between engine steps. It returns each reservation once, when it
+is final *and* nothing can write into its blocks any more (the stream's reader has stopped; on
+the shared-memory plane, after a short grace for a sender still copying). Only then may the
+worker start decoding from the blocks (Success) or free them (Failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from kv_transfer.layout import from_bytes, scatter_tokens, slot_mapping
+from kv_transfer.pairs import PairHost
+from kv_transfer.shm import SharedKVCache
+from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
+from kv_transfer.ticket import KVLayout, KVTicket, host_id
+from kv_transfer.wire import GRPC_OPTIONS, first_token_from_proto, tensor_from_proto
+from tandem.engine.sampler import TokenLogprobs
+from tandem.v1 import kv_transfer_pb2 as pb
+from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_Reply = pb.PushReply | tuple[grpc.StatusCode, str]  # a reply, or the status to end with
+
+SHM_GRACE_S = 0.5  # a failed shared-memory transfer keeps its blocks this long (sender mid-copy)
+
+
+@dataclass
+class Arrival:
+    """A finished reservation, as `poll()` reports it."""
+
+    request_key: str
+    state: TransferState  # SUCCESS or FAILED
+    error: TransferError | None
+    first_token: int | None = None
+    logprobs: TokenLogprobs | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    nbytes: int = 0
+    data_plane: str = ""
+    header_time: float | None = None  # monotonic time the sender's header arrived
+    done_time: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.done_time - self.header_time if self.header_time is not None else 0.0
+
+
+class _Reservation:
+    def __init__(self, ticket: KVTicket, slots: torch.Tensor) -> None:
+        self.ticket = ticket
+        self.status = TransferStatus(time.monotonic() + ticket.timeout_s)
+        self.status.advance(TransferState.WAITING_FOR_INPUT)
+        self.slots = slots  # [num_tokens] cache slots of the reserved blocks
+        self.lock = threading.Lock()  # held while writing into the blocks
+        self.writable = True  # False once cancelled or failed: nothing more is written
+        self.cancelled = False
+        self.stream_open = False
+        self.reader_done = threading.Event()
+        self.replies: queue.Queue[_Reply] = queue.Queue()
+        self.release_at = 0.0
+        self.arrival = Arrival(ticket.request_key, TransferState.FAILED, None)
+
+    def fail(self, cause: FailureCause, message: str) -> None:
+        if self.status.fail(TransferError(cause, message)):
+            self.stop_writes()
+
+    def stop_writes(self) -> None:
+        with self.lock:
+            self.writable = False
+
+
+class KVReceiver:
+    """Receives requests' prompt KV into this process's paged KV cache.
+
+    `kv_caches` are the engine's per-layer tensors (pass `shm.kv_caches` when the engine computes
+    into a `SharedKVCache`, so same-host senders can write directly)."""
+
+    def __init__(
+        self,
+        kv_caches: list[torch.Tensor],
+        model_fingerprint: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shm: SharedKVCache | None = None,
+        enable_pairs: bool = True,
+        max_pairs: int = 64,
+        max_streams: int = 128,
+    ) -> None:
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.model_fingerprint = model_fingerprint
+        self.host = host
+        self.shm = shm
+        self.pairs = PairHost(host, max_pairs) if enable_pairs else None
+        self._reservations: dict[str, _Reservation] = {}
+        self._lock = threading.Lock()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_streams + 8, thread_name_prefix="kv-recv"),
+            options=GRPC_OPTIONS,
+        )
+        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
+        self.port = self._server.add_insecure_port(f"{host}:{port}")
+        self._server.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def expect(
+        self, request_key: str, block_ids: list[int], num_tokens: int, timeout_s: float = 30.0
+    ) -> KVTicket:
+        """Reserve: KV for `num_tokens` tokens will arrive into `block_ids`; returns the ticket."""
+        if num_tokens > len(block_ids) * self.layout.block_size:
+            raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks")
+        ticket = KVTicket(
+            request_key=request_key,
+            endpoint=self.endpoint,
+            block_ids=tuple(block_ids),
+            layout=self.layout,
+            model_fingerprint=self.model_fingerprint,
+            num_tokens=num_tokens,
+            host_id=host_id(),
+            shm_path=str(self.shm.path) if self.shm is not None else "",
+            pair_store=self.pairs.address if self.pairs is not None else "",
+            timeout_s=timeout_s,
+        )
+        device = self.kv_caches[0].device
+        slots = slot_mapping(block_ids, self.layout.block_size, num_tokens, device)
+        with self._lock:
+            if request_key in self._reservations:
+                raise ValueError(f"a reservation for {request_key!r} already exists")
+            self._reservations[request_key] = _Reservation(ticket, slots)
+        return ticket
+
+    def cancel(self, request_key: str) -> None:
+        """The request was aborted: stop writing into its blocks; poll() reports it (Failed,
+        cancelled) once the sender has stopped. Unknown keys are ignored."""
+        with self._lock:
+            res = self._reservations.get(request_key)
+        if res is None:
+            return
+        with res.lock:
+            res.cancelled = True
+            open_stream = res.stream_open
+            if res.arrival.data_plane != "shm":
+                res.writable = False
+        if open_stream:
+            res.replies.put(pb.PushReply(kind=pb.PushReply.CANCELLED))
+        else:
+            res.fail(FailureCause.CANCELLED, "the request was aborted before its KV arrived")
+
+    def poll(self) -> list[Arrival]:
+        """Reservations that became final and whose blocks are quiet, each reported once."""
+        now = time.monotonic()
+        done: list[Arrival] = []
+        with self._lock:
+            items = list(self._reservations.items())
+        for key, res in items:
+            if not res.stream_open and res.status.expired():
+                res.fail(FailureCause.TIMEOUT, "no sender arrived before the ticket's deadline")
+            quiet = not res.stream_open or res.reader_done.is_set()
+            if res.status.state.final and quiet and now >= res.release_at:
+                with self._lock:
+                    del self._reservations[key]
+                res.arrival.state = res.status.state
+                res.arrival.error = res.status.error
+                done.append(res.arrival)
+        return done
+
+    def __len__(self) -> int:
+        return len(self._reservations)
+
+    def close(self, grace_s: float = 1.0) -> None:
+        self._server.stop(grace_s).wait()
+
+    # -- the Push stream ---------------------------------------------------------------------
+
+    def _claim(self, header: pb.TransferHeader) -> tuple[_Reservation, KVLayout]:
+        """The reservation this header is for; raises _Reject if it is unknown or does not fit."""
+        with self._lock:
+            res = self._reservations.get(header.request_key)
+        if res is None or res.status.state.final:
+            raise _Reject(grpc.StatusCode.NOT_FOUND, f"no reservation for {header.request_key!r}")
+        try:
+            problem, layout = None, KVLayout.from_proto(header.layout)
+        except ValueError as e:
+            problem, layout = str(e), self.layout
+        ticket = res.ticket
+        problem = problem or self.layout.mismatch(layout)
+        if header.model_fingerprint != ticket.model_fingerprint:
+            problem = f"model fingerprint {header.model_fingerprint!r}, expected "
+            problem += repr(ticket.model_fingerprint)
+        elif header.num_tokens != ticket.num_tokens:
+            problem = f"num_tokens {header.num_tokens}, reserved {ticket.num_tokens}"
+        elif header.data_plane == pb.DATA_PLANE_SHM and self.shm is None:
+            problem = "this worker has no shared-memory cache"
+        elif header.data_plane == pb.DATA_PLANE_PAIR and (
+            self.pairs is None or self.pairs.get(header.pair_id) is None
+        ):
+            problem = f"unknown pair {header.pair_id!r}"
+        elif header.data_plane not in (pb.DATA_PLANE_GRPC, pb.DATA_PLANE_PAIR, pb.DATA_PLANE_SHM):
+            problem = f"unknown data plane {header.data_plane}"
+        if problem is not None:
+            res.fail(FailureCause.BAD_METADATA, problem)
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        with res.lock:
+            if res.cancelled or res.stream_open or res.status.state.final:
+                raise _Reject(grpc.StatusCode.ABORTED, "the request was cancelled or is taken")
+            res.stream_open = True
+            res.arrival.data_plane = (
+                pb.DataPlane.Name(header.data_plane).removeprefix("DATA_PLANE_").lower()
+            )
+            res.arrival.header_time = time.monotonic()
+        res.status.advance(TransferState.TRANSFERRING)
+        return res, layout
+
+    def push(
+        self, requests: Iterator[pb.KVChunk], context: grpc.ServicerContext
+    ) -> Iterator[pb.PushReply]:
+        first = next(requests, None)
+        if first is None:
+            return
+        if first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a header")
+        try:
+            res, layout = self._claim(first.header)
+        except _Reject as e:
+            context.abort(e.code, e.message)
+        reader = threading.Thread(
+            target=self._read,
+            args=(res, first.header, layout, requests),
+            name=f"kv-read-{first.header.request_key}",
+            daemon=True,
+        )
+        reader.start()
+        yield pb.PushReply(kind=pb.PushReply.ACCEPTED)
+        while True:
+            try:
+                item = res.replies.get(timeout=max(res.status.remaining(), 0.0))
+            except queue.Empty:
+                res.fail(FailureCause.TIMEOUT, "the transfer passed its deadline")
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the transfer passed its deadline")
+            if isinstance(item, tuple):
+                context.abort(*item)
+                return
+            yield item
+            if item.kind == pb.PushReply.DONE:
+                return
+
+    def _read(
+        self,
+        res: _Reservation,
+        header: pb.TransferHeader,
+        layout: KVLayout,
+        requests: Iterator[pb.KVChunk],
+    ) -> None:
+        """Consume the layers and the trailer; reply DONE, or an error status."""
+        reply: _Reply
+        try:
+            reply = self._consume(res, header, layout, requests)
+        except TransferError as e:
+            res.fail(e.cause, str(e))
+            reply = (_STATUS_OF[e.cause], str(e))
+        except grpc.RpcError:
+            res.fail(FailureCause.PEER_LOST, "the sender's stream broke")
+            reply = (grpc.StatusCode.CANCELLED, "the sender's stream broke")
+        except Exception as e:  # a dead or stalled pair peer, a malformed tensor: fail, not crash
+            log.warning("KV transfer %s failed: %s", header.request_key, e)
+            if header.data_plane == pb.DATA_PLANE_PAIR and self.pairs is not None:
+                self.pairs.close(header.pair_id)
+            res.fail(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
+            reply = (grpc.StatusCode.DATA_LOSS, str(e))
+        finally:
+            res.stop_writes()
+            if header.data_plane == pb.DATA_PLANE_SHM and res.status.state != TransferState.SUCCESS:
+                res.release_at = time.monotonic() + SHM_GRACE_S
+            res.arrival.done_time = time.monotonic()
+            res.reader_done.set()
+        res.replies.put(reply)
+
+    def _consume(
+        self,
+        res: _Reservation,
+        header: pb.TransferHeader,
+        layout: KVLayout,
+        requests: Iterator[pb.KVChunk],
+    ) -> pb.PushReply:
+        num_layers, n = self.layout.num_layers, header.num_tokens
+        shape = (2, n, layout.num_kv_heads, layout.head_dim)
+        layer_nbytes = layout.layer_nbytes(n)
+        partial: dict[int, tuple[bytearray, int]] = {}  # gRPC plane: layer -> (bytes, filled)
+        done: set[int] = set()
+        for chunk in requests:
+            part = chunk.WhichOneof("part")
+            if part == "trailer":
+                if len(done) != num_layers:
+                    raise TransferError(
+                        FailureCause.PEER_LOST, f"trailer after {len(done)}/{num_layers} layers"
+                    )
+                if res.cancelled:
+                    raise TransferError(FailureCause.CANCELLED, "the request was aborted")
+                a = res.arrival
+                a.first_token, a.logprobs = first_token_from_proto(chunk.trailer.first_token)
+                a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
+                res.status.advance(TransferState.SUCCESS)
+                return pb.PushReply(kind=pb.PushReply.DONE, bytes_received=a.nbytes)
+            if part != "layer":
+                raise TransferError(FailureCause.BAD_METADATA, f"unexpected {part} message")
+            msg = chunk.layer
+            if not 0 <= msg.layer < num_layers or msg.layer in done:
+                raise TransferError(FailureCause.BAD_METADATA, f"bad layer index {msg.layer}")
+            if header.data_plane == pb.DATA_PLANE_GRPC:
+                buf, filled = partial.get(msg.layer) or (bytearray(layer_nbytes), 0)
+                end = msg.offset + len(msg.data)
+                if end > layer_nbytes:
+                    raise TransferError(FailureCause.BAD_METADATA, "chunk past the layer's end")
+                buf[msg.offset : end] = msg.data
+                filled += len(msg.data)
+                if filled < layer_nbytes:
+                    partial[msg.layer] = (buf, filled)
+                    continue
+                partial.pop(msg.layer, None)
+                self._write(res, msg.layer, from_bytes(buf, layout.torch_dtype, shape))
+            elif header.data_plane == pb.DATA_PLANE_PAIR:
+                assert self.pairs is not None
+                pair = self.pairs.get(header.pair_id)
+                if pair is None:
+                    raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
+                staging = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)
+                pair.recv(staging, header.tag_base + msg.layer, res.status.remaining())
+                self._write(res, msg.layer, staging)
+            # DATA_PLANE_SHM: the sender has written the layer into our blocks itself.
+            done.add(msg.layer)
+            res.arrival.nbytes += layer_nbytes
+        if res.cancelled:
+            raise TransferError(FailureCause.CANCELLED, "the request was aborted")
+        raise TransferError(FailureCause.PEER_LOST, f"stream ended after {len(done)} layers")
+
+    @property
+    def _device(self) -> torch.device:
+        return self.kv_caches[0].device
+
+    def _write(self, res: _Reservation, layer: int, tokens: torch.Tensor) -> None:
+        with res.lock:
+            if res.writable:
+                scatter_tokens(self.kv_caches[layer], res.slots, tokens)
+
+
+_STATUS_OF = {
+    FailureCause.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    FailureCause.PEER_LOST: grpc.StatusCode.DATA_LOSS,
+    FailureCause.BAD_METADATA: grpc.StatusCode.INVALID_ARGUMENT,
+    FailureCause.CANCELLED: grpc.StatusCode.ABORTED,
+    FailureCause.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    FailureCause.SETUP: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+class _Reject(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Servicer(pb_grpc.KVTransferServicer):
+    """Thin: translates RPCs to the receiver's methods."""
+
+    def __init__(self, receiver: KVReceiver) -> None:
+        self.receiver = receiver
+
+    def Push(
+        self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext
+    ) -> Iterator[pb.PushReply]:
+        return self.receiver.push(request_iterator, context)
+
+    def OpenPair(
+        self, request: pb.OpenPairRequest, context: grpc.ServicerContext
+    ) -> pb.OpenPairReply:
+        pairs = self.receiver.pairs
+        if pairs is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no pair store")
+            return pb.OpenPairReply()
+        try:
+            pairs.open(request.pair_id, request.backend, request.timeout_s or 10.0)
+        except Exception as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"could not join pair: {e}")
+        return pb.OpenPairReply()
+
+    def ClosePair(
+        self, request: pb.ClosePairRequest, context: grpc.ServicerContext
+    ) -> pb.ClosePairReply:
+        if self.receiver.pairs is not None:
+            self.receiver.pairs.close(request.pair_id)
+        return pb.ClosePairReply()

@@ -1,0 +1,313 @@
+"""Prefill side of KV transfer: one `KVSender` per process, one `OutboundTransfer` per request.
+
+A transfer's life (states in `kv_transfer.state`):
+
+    begin(ticket)          Bootstrapping: pick a data plane (shared memory on the same host, else
+                           a torch.distributed pair, else the gRPC stream) and open the Push stream
+    header sent            WaitingForInput until the receiver accepts and layers are ready
+    layer_ready(l)         Transferring: layer l goes out while the prefill computes layer l+1
+    finish(first_token)    the trailer; Success when the receiver answers DONE
+    abort() / any error    Failed(cause); the receiver frees its blocks too
+
+The prefill worker calls `poll()` and releases a transfer's source blocks once it is reported:
+by then nothing reads them any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import torch
+
+from kv_transfer.layout import slot_mapping
+from kv_transfer.pairs import PairPool, backend_for
+from kv_transfer.planes import DataPlane, GrpcPlane, PairPlane, ShmPlane
+from kv_transfer.shm import SharedCacheAttachments
+from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
+from kv_transfer.ticket import KVLayout, KVTicket, host_id
+from kv_transfer.wire import GRPC_OPTIONS, first_token_to_proto, tensor_to_proto
+from tandem.engine.sampler import TokenLogprobs
+from tandem.v1 import kv_transfer_pb2 as pb
+from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+CHANNELS = ("auto", "grpc", "pair", "shm")
+
+_CAUSE_OF = {
+    grpc.StatusCode.NOT_FOUND: FailureCause.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT: FailureCause.BAD_METADATA,
+    grpc.StatusCode.ABORTED: FailureCause.CANCELLED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: FailureCause.TIMEOUT,
+    grpc.StatusCode.FAILED_PRECONDITION: FailureCause.SETUP,
+}
+
+_Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor]]
+
+
+class OutboundTransfer:
+    """One request's KV on its way to the ticket's receiver."""
+
+    def __init__(
+        self,
+        sender: KVSender,
+        ticket: KVTicket,
+        kv_caches: list[torch.Tensor],
+        block_ids: list[int],
+    ) -> None:
+        self.sender = sender
+        self.ticket = ticket
+        self.kv_caches = kv_caches
+        self.layout = KVLayout.of(kv_caches)
+        self.status = TransferStatus(time.monotonic() + ticket.timeout_s)
+        self.slots = slot_mapping(
+            block_ids, self.layout.block_size, ticket.num_tokens, kv_caches[0].device
+        )
+        self.plane_name = ""
+        self.nbytes = 0
+        self._items: queue.Queue[int | _Trailer | None] = queue.Queue()
+        self._accepted = threading.Event()
+        self._cancelled = threading.Event()
+        self._blocks_lock = threading.Lock()  # held while reading the source blocks
+        self._blocks_released = False
+        self._call: grpc.Future | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-send-{ticket.request_key}", daemon=True
+        )
+        self._thread.start()
+
+    # -- called by the prefill worker ---------------------------------------------------------
+
+    def layer_ready(self, layer: int) -> None:
+        """Layer `layer` of the whole prompt is in the source blocks."""
+        self._items.put(layer)
+
+    def all_layers_ready(self) -> None:
+        for layer in range(self.layout.num_layers):
+            self.layer_ready(layer)
+
+    def finish(
+        self,
+        first_token: int,
+        logprobs: TokenLogprobs | None = None,
+        extras: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """The first token (and anything the receiver's proposer needs) ends the transfer."""
+        self._items.put((first_token, logprobs, extras or {}))
+
+    def abort(self) -> None:
+        """Stop: the request was aborted here. The receiver learns it from the broken stream."""
+        self._cancelled.set()
+        self.status.fail(TransferError(FailureCause.CANCELLED, "aborted by the prefill side"))
+        self._items.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Block until the transfer's thread is done (default: until the deadline + 1 s)."""
+        self._done.wait(self.status.remaining() + 1.0 if timeout is None else timeout)
+        return self.status.state
+
+    @property
+    def finished(self) -> bool:
+        """Final, and the source blocks are no longer read: the worker may release them."""
+        if not self._done.is_set():
+            return False
+        with self._blocks_lock:
+            self._blocks_released = True
+        return True
+
+    # -- the stream ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            plane = self.sender.choose_plane(self.ticket, self.kv_caches[0].device)
+            self.plane_name = pb.DataPlane.Name(plane.kind).removeprefix("DATA_PLANE_").lower()
+            self.status.advance(TransferState.WAITING_FOR_INPUT)
+            stub = self.sender.stub(self.ticket.endpoint)
+            self._call = stub.Push(self._requests(plane), timeout=max(self.status.remaining(), 0))
+            if self._cancelled.is_set():
+                self._call.cancel()
+            for reply in self._call:
+                if reply.kind == pb.PushReply.ACCEPTED:
+                    self._accepted.set()
+                elif reply.kind == pb.PushReply.CANCELLED:
+                    self._cancelled.set()
+                    self._items.put(None)
+                elif reply.kind == pb.PushReply.DONE:
+                    self.status.advance(TransferState.SUCCESS)
+            if self.status.state != TransferState.SUCCESS:
+                self._fail(FailureCause.PEER_LOST, "the receiver ended the stream early")
+        except TransferError as e:
+            self._fail(e.cause, str(e))
+        except grpc.RpcError as e:
+            cause = _CAUSE_OF.get(e.code(), FailureCause.PEER_LOST)
+            self._fail(cause, f"{e.code().name}: {e.details()}")
+        except Exception as e:  # pair setup or a dead pair: fail this transfer, not the worker
+            log.warning("KV transfer %s failed: %s", self.ticket.request_key, e)
+            self._fail(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
+        finally:
+            self._accepted.set()  # unblock the request generator if it still waits
+            self._items.put(None)
+            with self._blocks_lock:
+                self._blocks_released = True
+            self._done.set()
+
+    def _fail(self, cause: FailureCause, message: str) -> None:
+        if self.status.fail(TransferError(cause, message)) and self.plane_name == "pair":
+            self.sender.pairs.drop(self.ticket.endpoint)  # the pair may hold unmatched sends
+
+    def _requests(self, plane: DataPlane) -> Iterator[pb.KVChunk]:
+        header = pb.TransferHeader(
+            request_key=self.ticket.request_key,
+            layout=self.layout.to_proto(),
+            model_fingerprint=self.sender.model_fingerprint,
+            num_tokens=self.ticket.num_tokens,
+            data_plane=plane.kind,  # type: ignore[arg-type]
+        )
+        plane.fill_header(header)
+        yield pb.KVChunk(header=header)
+        if not self._accepted.wait(max(self.status.remaining(), 0)) or self.status.state.final:
+            return
+        while not self._cancelled.is_set():
+            try:
+                item = self._items.get(timeout=max(self.status.remaining(), 0))
+            except queue.Empty:
+                return  # the deadline passed; the call's own deadline fails both sides
+            if item is None:
+                return
+            if isinstance(item, int):
+                self.status.advance(TransferState.TRANSFERRING)
+                with self._blocks_lock:
+                    if self._blocks_released or self._cancelled.is_set():
+                        return
+                    chunks = list(plane.send_layer(item, self.kv_caches[item], self.slots))
+                self.nbytes += self.layout.layer_nbytes(self.ticket.num_tokens)
+                for c in chunks:
+                    yield pb.KVChunk(layer=c)
+                continue
+            first_token, logprobs, extras = item
+            plane.flush(max(self.status.remaining(), 0))
+            yield pb.KVChunk(
+                trailer=pb.Trailer(
+                    first_token=first_token_to_proto(first_token, logprobs),
+                    extras=[tensor_to_proto(k, v) for k, v in extras.items()],
+                )
+            )
+            return
+
+
+class KVSender:
+    """Prefill side, one per process: gRPC channels, torch.distributed pairs and shared-memory
+    mappings to receivers, and the transfers in flight.
+
+    `channel`: "auto" (shared memory on the same host, else a pair, else gRPC), or force "grpc",
+    "pair" or "shm" (a forced plane that cannot be set up fails the transfer, except that a pair
+    falls back to gRPC as documented)."""
+
+    def __init__(
+        self,
+        model_fingerprint: str,
+        host: str = "127.0.0.1",
+        channel: str = "auto",
+        chunk_bytes: int = 1 << 20,
+        max_pairs: int = 8,
+        pair_idle_s: float = 300.0,
+        pair_setup_timeout_s: float = 10.0,
+        wrap_plane: Callable[[DataPlane], DataPlane] | None = None,
+    ) -> None:
+        if channel not in CHANNELS:
+            raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
+        self.model_fingerprint = model_fingerprint
+        self.host = host
+        self.channel = channel
+        self.chunk_bytes = chunk_bytes
+        self.pair_setup_timeout_s = pair_setup_timeout_s
+        self.wrap_plane = wrap_plane  # tests inject faults here (kv_transfer.fake)
+        self.pairs = PairPool(host, self._open_remote, self._close_remote, max_pairs, pair_idle_s)
+        self.shm = SharedCacheAttachments()
+        self.fallbacks = 0  # pair setups that failed and went over gRPC instead
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.Lock()
+        self._transfers: dict[str, OutboundTransfer] = {}
+
+    def begin(
+        self, ticket: KVTicket, kv_caches: list[torch.Tensor], block_ids: list[int]
+    ) -> OutboundTransfer:
+        """Start sending the KV of `block_ids` (this worker's blocks) as the ticket asks."""
+        transfer = OutboundTransfer(self, ticket, kv_caches, block_ids)
+        with self._lock:
+            self._transfers[ticket.request_key] = transfer
+        return transfer
+
+    def poll(self) -> list[OutboundTransfer]:
+        """Transfers that ended (Success or Failed) and no longer read their source blocks."""
+        with self._lock:
+            done = [t for t in self._transfers.values() if t.finished]
+            for t in done:
+                del self._transfers[t.ticket.request_key]
+        return done
+
+    def choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
+        plane = self._choose_plane(ticket, device)
+        return self.wrap_plane(plane) if self.wrap_plane is not None else plane
+
+    def _choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
+        want = self.channel
+        same_host = ticket.shm_path and ticket.host_id == host_id() and device.type == "cpu"
+        if want == "shm" or (want == "auto" and same_host):
+            if not same_host:
+                raise TransferError(FailureCause.SETUP, "the receiver has no reachable shm cache")
+            try:
+                return ShmPlane(self.shm.get(ticket.shm_path, ticket.layout), ticket)
+            except (OSError, ValueError) as e:
+                raise TransferError(FailureCause.SETUP, f"cannot map {ticket.shm_path}: {e}") from e
+        if want in ("auto", "pair") and ticket.pair_store:
+            backend = backend_for(device)
+            try:
+                pair = self.pairs.get(
+                    ticket.endpoint, ticket.pair_store, backend, self.pair_setup_timeout_s
+                )
+                return PairPlane(pair, ticket.layout.num_layers)
+            except Exception as e:
+                self.fallbacks += 1
+                log.warning("no %s pair with %s (%s); using gRPC", backend, ticket.endpoint, e)
+        return GrpcPlane(self.chunk_bytes)
+
+    def stub(self, endpoint: str) -> pb_grpc.KVTransferStub:
+        with self._lock:
+            channel = self._channels.get(endpoint)
+            if channel is None:
+                channel = self._channels[endpoint] = grpc.insecure_channel(
+                    endpoint, options=GRPC_OPTIONS
+                )
+        return pb_grpc.KVTransferStub(channel)
+
+    def _open_remote(
+        self, endpoint: str, pair_id: str, backend: str, timeout_s: float
+    ) -> Callable[[], None]:
+        future = self.stub(endpoint).OpenPair.future(
+            pb.OpenPairRequest(pair_id=pair_id, backend=backend, timeout_s=timeout_s),
+            timeout=timeout_s + 1.0,
+        )
+        return lambda: future.result()  # raises the RPC's error
+
+    def _close_remote(self, endpoint: str, pair_id: str) -> None:
+        try:
+            self.stub(endpoint).ClosePair(pb.ClosePairRequest(pair_id=pair_id), timeout=2.0)
+        except grpc.RpcError as e:
+            log.info("closing pair %s with %s: %s", pair_id, endpoint, e.code().name)
+
+    def close(self) -> None:
+        for t in list(self._transfers.values()):
+            t.abort()
+        self.pairs.close()
+        self.shm.close()
+        for channel in self._channels.values():
+            channel.close()

@@ -1,0 +1,83 @@
+"""A paged KV cache in POSIX shared memory, so a prefill worker on the same host can write a
+request's KV straight into a decode worker's blocks (one copy, no socket).
+
+The decode worker creates the cache (`SharedKVCache.create`) and passes `path` in its tickets;
+the prefill worker attaches by path. The file lives in /dev/shm and is unlinked when the creator
+closes it; mappings already made stay valid until they are dropped.
+
+CPU tensors only. For CUDA caches the same role needs CUDA IPC handles, which are not written yet
+(a CUDA decode worker issues tickets without `shm_path`, and senders use a torch.distributed pair).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from kv_transfer.ticket import KVLayout
+
+SHM_DIR = Path("/dev/shm")
+
+
+def shm_available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+class SharedKVCache:
+    """Per-layer KV tensors [2, num_blocks, block_size, heads, dim] over one shared file."""
+
+    def __init__(self, path: Path, layout: KVLayout, num_blocks: int, owner: bool) -> None:
+        self.path = path
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.owner = owner
+        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        numel = layout.num_layers * math.prod(shape)
+        storage = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
+        self.kv_caches = list(storage.view(layout.num_layers, *shape).unbind(0))
+
+    @classmethod
+    def create(cls, layout: KVLayout, num_blocks: int) -> SharedKVCache:
+        path = SHM_DIR / f"tandem-kv-{uuid.uuid4().hex}"
+        return cls(path, layout, num_blocks, owner=True)  # from_file creates it, zero-filled
+
+    @classmethod
+    def attach(cls, path: str, layout: KVLayout) -> SharedKVCache:
+        size = Path(path).stat().st_size
+        per_block = layout.layer_nbytes(layout.block_size) * layout.num_layers
+        if size % per_block:
+            raise ValueError(
+                f"{path} is {size} bytes, not a whole number of {per_block}-byte blocks"
+            )
+        return cls(Path(path), layout, size // per_block, owner=False)
+
+    def close(self) -> None:
+        self.kv_caches = []
+        if self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+class SharedCacheAttachments:
+    """The sender's open mappings of receivers' caches, least recently used dropped first."""
+
+    def __init__(self, max_open: int = 16) -> None:
+        self.max_open = max_open
+        self._open: OrderedDict[str, SharedKVCache] = OrderedDict()
+
+    def get(self, path: str, layout: KVLayout) -> SharedKVCache:
+        cache = self._open.get(path)
+        if cache is None or cache.layout != layout:
+            cache = self._open[path] = SharedKVCache.attach(path, layout)
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)[1].close()
+        self._open.move_to_end(path)
+        return cache
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1].close()

@@ -1,0 +1,101 @@
+"""The transfer state machine and its typed failures, shared by both ends.
+
+    Bootstrapping -> WaitingForInput -> Transferring -> Success
+          \\________________\\_______________\\______-> Failed(cause)
+
+Receiver (decode side): Bootstrapping while it reserves blocks and issues the ticket;
+WaitingForInput until the sender's header arrives; Transferring while layers land; Success when
+the trailer (first token) arrives with every layer. Sender (prefill side): Bootstrapping while it
+picks a data plane and connects; WaitingForInput until the prefill computes the first layer;
+Transferring while it sends; Success when the receiver acknowledges. Any state may fail; Success
+and Failed are final.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+
+
+class TransferState(enum.Enum):
+    BOOTSTRAPPING = "bootstrapping"
+    WAITING_FOR_INPUT = "waiting_for_input"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (TransferState.SUCCESS, TransferState.FAILED)
+
+
+class FailureCause(enum.Enum):
+    TIMEOUT = "timeout"  # a wait passed its deadline (stalled peer, no sender ever came)
+    PEER_LOST = "peer_lost"  # the other side died or closed the connection
+    BAD_METADATA = "bad_metadata"  # layout, fingerprint or token count do not match the ticket
+    CANCELLED = "cancelled"  # the request was aborted on either side
+    NOT_FOUND = "not_found"  # the receiver has no reservation for the key
+    SETUP = "setup"  # no data plane could be set up
+
+
+class TransferError(Exception):
+    """A failed transfer. `retryable`: another prefill worker (or local prefill) may succeed."""
+
+    def __init__(self, cause: FailureCause, message: str) -> None:
+        super().__init__(f"KV transfer failed ({cause.value}): {message}")
+        self.cause = cause
+
+    @property
+    def retryable(self) -> bool:
+        return self.cause not in (FailureCause.CANCELLED, FailureCause.BAD_METADATA)
+
+
+_NEXT = {
+    TransferState.BOOTSTRAPPING: {TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING},
+    TransferState.WAITING_FOR_INPUT: {TransferState.TRANSFERRING},
+    TransferState.TRANSFERRING: {TransferState.SUCCESS},
+}
+
+
+class TransferStatus:
+    """One transfer's state, thread-safe; moves only forward, and fails at most once."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline  # time.monotonic() by which it must be final
+        self.state = TransferState.BOOTSTRAPPING
+        self.error: TransferError | None = None
+        self._lock = threading.Lock()
+        self._final = threading.Event()
+
+    def advance(self, state: TransferState) -> bool:
+        """Move to `state`; False (and no change) when already final."""
+        with self._lock:
+            if self.state.final:
+                return False
+            if state not in _NEXT[self.state] and state != self.state:
+                raise RuntimeError(f"transfer cannot go from {self.state.value} to {state.value}")
+            self.state = state
+            if state.final:
+                self._final.set()
+            return True
+
+    def fail(self, error: TransferError) -> bool:
+        """Fail with `error`; False when already final (the first outcome stands)."""
+        with self._lock:
+            if self.state.final:
+                return False
+            self.state, self.error = TransferState.FAILED, error
+            self._final.set()
+            return True
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Block until final or `timeout` seconds (default: until the deadline)."""
+        self._final.wait(max(0.0, self.remaining() if timeout is None else timeout))
+        return self.state

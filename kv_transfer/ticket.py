@@ -1,0 +1,128 @@
+"""What the two ends agree on: the KV layout, the model fingerprint and the transfer ticket.
+
+The decode worker issues a `KVTicket` when it reserves blocks for a prompt; the router hands it to
+the prefill worker with the request. The ticket names where to send (endpoint, and the optional
+shared-memory cache and torch.distributed rendezvous), which blocks to fill, and what the receiver
+will accept (layout and fingerprint); a header that disagrees is refused before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from tandem.config import DTYPES
+from tandem.engine.models.config import ModelConfig
+from tandem.v1 import kv_transfer_pb2 as pb
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A worker's paged KV cache: per layer a [2, num_blocks, block_size, heads, dim] tensor."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # a key of tandem.config.DTYPES
+
+    @classmethod
+    def of(cls, kv_caches: list[torch.Tensor]) -> KVLayout:
+        _, _, block_size, heads, dim = kv_caches[0].shape
+        names = {v: k for k, v in DTYPES.items()}
+        return cls(len(kv_caches), heads, dim, block_size, names[kv_caches[0].dtype])
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def layer_nbytes(self, num_tokens: int) -> int:
+        """Bytes of one layer's wire tensor [2, num_tokens, heads, dim]."""
+        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * num_tokens * self.num_kv_heads * self.head_dim * itemsize
+
+    def to_proto(self) -> pb.KVLayout:
+        return pb.KVLayout(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: pb.KVLayout) -> KVLayout:
+        if msg.dtype not in DTYPES:
+            raise ValueError(f"unknown KV dtype {msg.dtype!r}")
+        return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)
+
+    def mismatch(self, other: KVLayout) -> str | None:
+        """Why KV in `other`'s layout cannot be converted into this one (None: it can).
+
+        Block size and dtype may differ (the receiver converts); the model's shape may not."""
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name}: receiver has {getattr(self, name)}, sender {getattr(other, name)}"
+        return None
+
+
+@dataclass(frozen=True)
+class KVTicket:
+    request_key: str
+    endpoint: str  # host:port of the receiver's KVTransfer service
+    block_ids: tuple[int, ...]
+    layout: KVLayout
+    model_fingerprint: str
+    num_tokens: int
+    host_id: str = ""
+    shm_path: str = ""  # the receiver's shared-memory KV cache; "" when it has none
+    pair_store: str = ""  # host:port of its TCPStore for torch.distributed pairs; "" when none
+    timeout_s: float = 30.0
+
+    def to_proto(self) -> pb.KVTicket:
+        return pb.KVTicket(
+            request_key=self.request_key,
+            endpoint=self.endpoint,
+            block_ids=self.block_ids,
+            layout=self.layout.to_proto(),
+            model_fingerprint=self.model_fingerprint,
+            num_tokens=self.num_tokens,
+            host_id=self.host_id,
+            shm_path=self.shm_path,
+            pair_store=self.pair_store,
+            timeout_s=self.timeout_s,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.KVTicket) -> KVTicket:
+        return cls(
+            msg.request_key,
+            msg.endpoint,
+            tuple(msg.block_ids),
+            KVLayout.from_proto(msg.layout),
+            msg.model_fingerprint,
+            msg.num_tokens,
+            msg.host_id,
+            msg.shm_path,
+            msg.pair_store,
+            msg.timeout_s,
+        )
+
+
+def model_fingerprint(cfg: ModelConfig, model_path: Path) -> str:
+    """Identifies the model whose KV this is: its architecture and its weight files' names and
+    sizes (hashing the weights themselves would take minutes on large models)."""
+    h = hashlib.blake2b(digest_size=12)
+    h.update(json.dumps(asdict(cfg), sort_keys=True, default=str).encode())
+    files = [model_path] if model_path.is_file() else sorted(model_path.glob("*.safetensors"))
+    for f in files:
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+@cache
+def host_id() -> str:
+    """Equal on two processes of one machine (one boot), different across machines."""
+    boot = Path("/proc/sys/kernel/random/boot_id")
+    return f"{socket.gethostname()}/{boot.read_text().strip() if boot.exists() else ''}"

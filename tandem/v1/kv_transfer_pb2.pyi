@@ -1,0 +1,179 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataPlane(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_PLANE_UNSPECIFIED: _ClassVar[DataPlane]
+    DATA_PLANE_GRPC: _ClassVar[DataPlane]
+    DATA_PLANE_PAIR: _ClassVar[DataPlane]
+    DATA_PLANE_SHM: _ClassVar[DataPlane]
+DATA_PLANE_UNSPECIFIED: DataPlane
+DATA_PLANE_GRPC: DataPlane
+DATA_PLANE_PAIR: DataPlane
+DATA_PLANE_SHM: DataPlane
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KVTicket(_message.Message):
+    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shm_path", "pair_store", "timeout_s")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    PAIR_STORE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    endpoint: str
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    layout: KVLayout
+    model_fingerprint: str
+    num_tokens: int
+    host_id: str
+    shm_path: str
+    pair_store: str
+    timeout_s: float
+    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class TransferHeader(_message.Message):
+    __slots__ = ("request_key", "layout", "model_fingerprint", "num_tokens", "data_plane", "pair_id", "tag_base")
+    REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    TAG_BASE_FIELD_NUMBER: _ClassVar[int]
+    request_key: str
+    layout: KVLayout
+    model_fingerprint: str
+    num_tokens: int
+    data_plane: DataPlane
+    pair_id: str
+    tag_base: int
+    def __init__(self, request_key: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., pair_id: _Optional[str] = ..., tag_base: _Optional[int] = ...) -> None: ...
+
+class LayerChunk(_message.Message):
+    __slots__ = ("layer", "offset", "data")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    offset: int
+    data: bytes
+    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "has_logprobs", "logprob", "rank", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    has_logprobs: bool
+    logprob: float
+    rank: int
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Trailer(_message.Message):
+    __slots__ = ("first_token", "extras")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    extras: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., extras: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("header", "layer", "trailer")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
+    header: TransferHeader
+    layer: LayerChunk
+    trailer: Trailer
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., layer: _Optional[_Union[LayerChunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+
+class PushReply(_message.Message):
+    __slots__ = ("kind", "bytes_received")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[PushReply.Kind]
+        ACCEPTED: _ClassVar[PushReply.Kind]
+        CANCELLED: _ClassVar[PushReply.Kind]
+        DONE: _ClassVar[PushReply.Kind]
+    KIND_UNSPECIFIED: PushReply.Kind
+    ACCEPTED: PushReply.Kind
+    CANCELLED: PushReply.Kind
+    DONE: PushReply.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    kind: PushReply.Kind
+    bytes_received: int
+    def __init__(self, kind: _Optional[_Union[PushReply.Kind, str]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class OpenPairRequest(_message.Message):
+    __slots__ = ("pair_id", "backend", "timeout_s")
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    backend: str
+    timeout_s: float
+    def __init__(self, pair_id: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class OpenPairReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClosePairRequest(_message.Message):
+    __slots__ = ("pair_id",)
+    PAIR_ID_FIELD_NUMBER: _ClassVar[int]
+    pair_id: str
+    def __init__(self, pair_id: _Optional[str] = ...) -> None: ...
+
+class ClosePairReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
