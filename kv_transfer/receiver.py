@@ -57,6 +57,7 @@ class Arrival:
     data_plane: str = ""
     header_time: float | None = None  # monotonic time the sender's header arrived
     done_time: float = 0.0
+    first_token_unix: float = 0.0  # the sender's wall clock when it sampled the first token
 
     @property
     def seconds(self) -> float:
@@ -320,6 +321,7 @@ class KVReceiver:
                 a = res.arrival
                 a.first_token, a.logprobs = first_token_from_proto(chunk.trailer.first_token)
                 a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
+                a.first_token_unix = chunk.trailer.first_token_unix
                 res.status.advance(TransferState.SUCCESS)
                 return pb.PushReply(kind=pb.PushReply.DONE, bytes_received=a.nbytes)
             if part != "layer":

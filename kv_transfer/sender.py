@@ -5,6 +5,7 @@ A transfer's life (states in `kv_transfer.state`):
     begin(ticket)          Bootstrapping: pick a data plane (shared memory on the same host, else
                            a torch.distributed pair, else the gRPC stream) and open the Push stream
     header sent            WaitingForInput until the receiver accepts and layers are ready
+    set_source(blocks)     the sender's blocks holding the prompt (known once it is scheduled)
     layer_ready(l)         Transferring: layer l goes out while the prefill computes layer l+1
     finish(first_token)    the trailer; Success when the receiver answers DONE
     abort() / any error    Failed(cause); the receiver frees its blocks too
@@ -58,18 +59,18 @@ class OutboundTransfer:
         sender: KVSender,
         ticket: KVTicket,
         kv_caches: list[torch.Tensor],
-        block_ids: list[int],
     ) -> None:
         self.sender = sender
         self.ticket = ticket
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
         self.status = TransferStatus(time.monotonic() + ticket.timeout_s)
-        self.slots = slot_mapping(
-            block_ids, self.layout.block_size, ticket.num_tokens, kv_caches[0].device
-        )
+        self.slots: torch.Tensor | None = None  # [num_tokens] source cache slots
         self.plane_name = ""
         self.nbytes = 0
+        self.first_token: int = -1
+        self.first_token_unix = 0.0
+        self.done_time = 0.0
         self._items: queue.Queue[int | _Trailer | None] = queue.Queue()
         self._accepted = threading.Event()
         self._cancelled = threading.Event()
@@ -84,8 +85,15 @@ class OutboundTransfer:
 
     # -- called by the prefill worker ---------------------------------------------------------
 
+    def set_source(self, block_ids: list[int]) -> None:
+        """The blocks (of `kv_caches`) that hold the prompt, in order."""
+        device = self.kv_caches[0].device
+        self.slots = slot_mapping(block_ids, self.layout.block_size, self.ticket.num_tokens, device)
+
     def layer_ready(self, layer: int) -> None:
         """Layer `layer` of the whole prompt is in the source blocks."""
+        if self.slots is None:
+            raise RuntimeError("set_source() must come before the first layer")
         self._items.put(layer)
 
     def all_layers_ready(self) -> None:
@@ -99,6 +107,8 @@ class OutboundTransfer:
         extras: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """The first token (and anything the receiver's proposer needs) ends the transfer."""
+        self.first_token = first_token
+        self.first_token_unix = time.time()
         self._items.put((first_token, logprobs, extras or {}))
 
     def abort(self) -> None:
@@ -157,6 +167,7 @@ class OutboundTransfer:
             self._items.put(None)
             with self._blocks_lock:
                 self._blocks_released = True
+            self.done_time = time.monotonic()
             self._done.set()
 
     def _fail(self, cause: FailureCause, message: str) -> None:
@@ -185,7 +196,7 @@ class OutboundTransfer:
             if isinstance(item, int):
                 self.status.advance(TransferState.TRANSFERRING)
                 with self._blocks_lock:
-                    if self._blocks_released or self._cancelled.is_set():
+                    if self._blocks_released or self._cancelled.is_set() or self.slots is None:
                         return
                     chunks = list(plane.send_layer(item, self.kv_caches[item], self.slots))
                 self.nbytes += self.layout.layer_nbytes(self.ticket.num_tokens)
@@ -198,6 +209,7 @@ class OutboundTransfer:
                 trailer=pb.Trailer(
                     first_token=first_token_to_proto(first_token, logprobs),
                     extras=[tensor_to_proto(k, v) for k, v in extras.items()],
+                    first_token_unix=self.first_token_unix,
                 )
             )
             return
@@ -237,11 +249,10 @@ class KVSender:
         self._lock = threading.Lock()
         self._transfers: dict[str, OutboundTransfer] = {}
 
-    def begin(
-        self, ticket: KVTicket, kv_caches: list[torch.Tensor], block_ids: list[int]
-    ) -> OutboundTransfer:
-        """Start sending the KV of `block_ids` (this worker's blocks) as the ticket asks."""
-        transfer = OutboundTransfer(self, ticket, kv_caches, block_ids)
+    def begin(self, ticket: KVTicket, kv_caches: list[torch.Tensor]) -> OutboundTransfer:
+        """Start a transfer from this worker's `kv_caches` as the ticket asks; the layers follow
+        (`set_source`, `layer_ready`, `finish`)."""
+        transfer = OutboundTransfer(self, ticket, kv_caches)
         with self._lock:
             self._transfers[ticket.request_key] = transfer
         return transfer

@@ -38,7 +38,8 @@ class Role:
         return True
 
     def hands_over_after_first_token(self, request: Request) -> bool:
-        """True ends the request after its first token with its blocks held (FINISHED_PREFILLED)."""
+        """True ends the request after its first token with its blocks held (FINISHED_PREFILLED),
+        even when that token would stop it: the side it is handed to decides."""
         return False
 
     def prompt_layer_computed(self, layer: int, requests: list[Request]) -> None:
@@ -230,14 +231,15 @@ class Scheduler:
             for token in tokens:
                 req.append_output(token, now)
                 kept.append(token)
-                if (status := self._check_stop(req)) is not None:
-                    self.finish(req.request_id, status)
-                    break
-            else:
                 if self.role.hands_over_after_first_token(req):
+                    # Even a final first token is handed over: the receiving side owns stopping.
                     self.running.remove(req)
                     req.status = RequestStatus.FINISHED_PREFILLED
                     self.parked[req.request_id] = req
+                    break
+                if (status := self._check_stop(req)) is not None:
+                    self.finish(req.request_id, status)
+                    break
             changed.append((req, kept))
         return changed
 
@@ -279,6 +281,15 @@ class Scheduler:
         req.append_output(first_token, time.monotonic())
         if (status := self._check_stop(req)) is not None:
             self.finish(request_id, status)
+        return req
+
+    def compute_prompt_locally(self, request_id: str) -> Request:
+        """A parked request's KV will not arrive (failed transfer): compute its prompt here, in
+        the blocks already reserved for it."""
+        req = self.parked.pop(request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
         return req
 
     def release(self, request_id: str) -> None:

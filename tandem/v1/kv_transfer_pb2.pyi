@@ -119,12 +119,14 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Trailer(_message.Message):
-    __slots__ = ("first_token", "extras")
+    __slots__ = ("first_token", "extras", "first_token_unix")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_UNIX_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     extras: _containers.RepeatedCompositeFieldContainer[NamedTensor]
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., extras: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
+    first_token_unix: float
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., extras: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., first_token_unix: _Optional[float] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "layer", "trailer")

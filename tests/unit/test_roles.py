@@ -174,15 +174,28 @@ def test_a_final_first_token_finishes_on_arrival(
     assert d_engine.step() == []
 
 
-def test_prefill_role_finishes_without_holding_blocks_when_the_first_token_is_final(
-    tiny_llama_path: Path,
-) -> None:
+def test_prefill_role_hands_over_even_a_final_first_token(tiny_llama_path: Path) -> None:
     p_engine = make_engine(tiny_llama_path, PrefillRole())
     req = p_engine.add_request("r", prompts_of([8])[0], SamplingParams(max_tokens=1))
     run(p_engine)
-    assert req.status == RequestStatus.FINISHED_LENGTH  # nothing to hand over
+    assert req.status == RequestStatus.FINISHED_PREFILLED  # the decode side decides it stops
+    p_engine.scheduler.release("r")
     assert_all_free(p_engine)
-    p_engine.scheduler.release("r")  # a release that comes anyway is harmless
+    p_engine.scheduler.release("r")  # a second release is harmless
+
+
+def test_decode_role_computes_the_prompt_when_its_kv_will_not_arrive(
+    tiny_llama_path: Path,
+) -> None:
+    prompts = prompts_of([13, 6], seed=5)
+    d_engine = make_engine(tiny_llama_path, DecodeRole())
+    reqs = [d_engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    d_engine.step()
+    for r in reqs:
+        d_engine.scheduler.compute_prompt_locally(r.request_id)
+    run(d_engine)
+    assert_all_free(d_engine)
+    assert [r.output_token_ids for r in reqs] == colocated(tiny_llama_path, prompts, GREEDY)
 
 
 def test_parked_requests_hold_seats(tiny_llama_path: Path) -> None:

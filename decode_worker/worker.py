@@ -1,0 +1,227 @@
+"""Decode worker core: the engine in the decode role, plus a KV receiver.
+
+A request's life here:
+
+    reserve(request)          queued; once admitted its prompt blocks are reserved and the
+                              ticket resolves (parked: WAITING_FOR_REMOTE_KV)
+    KV lands                  poll() reports it; the request joins the running batch with the
+                              first token the prefill worker sampled
+    decode                    tokens stream out through its OutputStream until it stops
+    transfer fails            `local`: compute the prompt here in the same blocks; `fail`: end
+                              the stream with the TransferError
+    cancel                    the receiver stops writing; the blocks are freed once nothing can
+                              write into them; the stream ends (aborted)
+
+`local=True` at reserve skips the transfer (conditional disaggregation: D prefills itself).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
+from kv_transfer.metrics import TransferMetrics
+from kv_transfer.shm import SharedKVCache, shm_available
+from kv_transfer.state import FailureCause
+from kv_transfer.ticket import KVLayout, model_fingerprint
+from tandem.config import EngineConfig
+from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.loop import EngineLoop
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Role
+
+ON_TRANSFER_FAILURE = ("local", "fail")
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens one step produced for one request; `finish_reason` is set on the last chunk."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+
+
+class OutputStream:
+    """The chunks of one request, for another thread to iterate; ends with a finished chunk, or
+    raises the error that ended it (e.g. a TransferError under `fail`)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[TokenChunk | BaseException] = queue.Queue()
+
+    def put(self, item: TokenChunk | BaseException) -> None:
+        self._queue.put(item)
+
+    def __iter__(self) -> Iterator[TokenChunk]:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return
+
+    def tokens(self) -> list[int]:
+        return [t for chunk in self for t in chunk.token_ids]
+
+
+class DecodeRole(Role):
+    def __init__(self) -> None:
+        self.local: set[str] = set()  # requests this worker prefills itself
+
+    def computes_prompt(self, request: Request) -> bool:
+        return request.request_id in self.local
+
+
+class DecodeWorker(EngineLoop):
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        shared_memory: bool = True,
+        enable_pairs: bool = True,
+        transfer_timeout_s: float = 30.0,
+        on_transfer_failure: str = "local",
+    ) -> None:
+        if on_transfer_failure not in ON_TRANSFER_FAILURE:
+            raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}")
+        self.role = DecodeRole()
+        super().__init__(EngineCore(config, self.role), "decode-loop")
+        engine = self.engine
+        self.shm: SharedKVCache | None = None
+        if shared_memory and engine.runner.device.type == "cpu" and shm_available():
+            layout = KVLayout.of(engine.runner.kv_caches)
+            self.shm = SharedKVCache.create(layout, engine.kv_cache.num_blocks)
+            engine.runner.use_kv_caches(self.shm.kv_caches)
+        fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
+        self.receiver = KVReceiver(
+            engine.runner.kv_caches, fingerprint, host, port, self.shm, enable_pairs
+        )
+        self.transfer_timeout_s = transfer_timeout_s
+        self.on_transfer_failure = on_transfer_failure
+        self.metrics = TransferMetrics()
+        self._streams: dict[str, OutputStream] = {}
+        self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
+        self._cancelling: set[str] = set()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        local: bool = False,
+    ) -> tuple[Future[KVTicket | None], OutputStream]:
+        """Queue a request; the future gives its ticket once blocks are reserved (None when
+        `local`), or raises ValueError for a bad request."""
+        ticket: Future[KVTicket | None] = Future()
+        stream = OutputStream()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            except ValueError as e:
+                ticket.set_exception(e)
+                return
+            self._streams[request_id] = stream
+            if local:
+                self.role.local.add(request_id)
+                ticket.set_result(None)
+            else:
+                self._tickets[request_id] = ticket
+
+        self.call(add)
+        return ticket, stream
+
+    def cancel(self, request_id: str) -> None:
+        self.call(lambda: self._cancel(request_id))
+
+    # -- loop thread --------------------------------------------------------------------------
+
+    def before_step(self) -> None:
+        for arrival in self.receiver.poll():
+            self._arrived(arrival)
+
+    def after_step(self, deltas: list[RequestDelta]) -> None:
+        self._issue_tickets()
+        for d in deltas:
+            self._emit(d.request, d.new_token_ids, d.logprobs)
+
+    def _issue_tickets(self) -> None:
+        for rid in list(self._tickets):
+            req = self.engine.scheduler.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            blocks = self.engine.kv_cache.block_table(rid)
+            ticket = self.receiver.expect(
+                rid, blocks, req.num_prompt_tokens, self.transfer_timeout_s
+            )
+            self._tickets.pop(rid).set_result(ticket)
+
+    def _arrived(self, a: Arrival) -> None:
+        rid = a.request_key
+        scheduler = self.engine.scheduler
+        if rid in self._cancelling or rid not in scheduler.parked:
+            self._cancelling.discard(rid)
+            self._finish_aborted(rid)
+            return
+        if a.state == TransferState.SUCCESS:
+            assert a.first_token is not None
+            exposed = time.time() - a.first_token_unix if a.first_token_unix else None
+            self.metrics.success(a.nbytes, a.seconds, a.data_plane, exposed)
+            req = scheduler.remote_kv_arrived(rid, a.first_token)
+            self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [])
+            return
+        assert a.error is not None
+        self.metrics.failure(a.error.cause)
+        if self.on_transfer_failure == "local" and a.error.cause != FailureCause.CANCELLED:
+            scheduler.compute_prompt_locally(rid)
+        else:
+            self.engine.abort(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(a.error)
+
+    def _emit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
+        stream = self._streams.get(req.request_id)
+        if stream is None:
+            return
+        reason = req.status.value if req.status.finished else None
+        stream.put(TokenChunk(tokens, logprobs, reason))
+        if reason is not None:
+            del self._streams[req.request_id]
+            self.role.local.discard(req.request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        req = self.engine.scheduler.requests.get(request_id)
+        if req is None:
+            return
+        if request_id in self.engine.scheduler.parked:
+            self._cancelling.add(request_id)  # freed once nothing can write into its blocks
+            self.receiver.cancel(request_id)
+            return
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            ticket.set_exception(TransferError(FailureCause.CANCELLED, "cancelled"))
+        self._finish_aborted(request_id)
+
+    def _finish_aborted(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self.role.local.discard(request_id)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.put(TokenChunk([], [], RequestStatus.FINISHED_ABORTED.value))
+
+    def close(self) -> None:
+        self.stop()
+        self.receiver.close()
+        if self.shm is not None:
+            self.shm.close()

@@ -1,0 +1,159 @@
+"""Prefill worker core: the engine in the prefill role, plus a KV sender.
+
+A request's life here:
+
+    submit(request, ticket)   queued; its transfer starts bootstrapping (plane, stream, header)
+    prefill, last chunk       layer l of the prompt goes out as soon as layer l is computed
+                              (layer-wise streaming; off: all layers after the step)
+    first token sampled       FINISHED_PREFILLED, blocks held; the trailer carries the token
+    transfer final            blocks released; the submit future resolves (or fails with a
+                              TransferError the router can retry elsewhere)
+    abort                     the transfer stops; blocks are freed once no thread reads them
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
+from kv_transfer.ticket import model_fingerprint
+from tandem.config import EngineConfig
+from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.loop import EngineLoop
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Role
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    data_plane: str
+    nbytes: int
+    prefill_done: float  # monotonic time the first token was sampled
+    transfer_done: float  # monotonic time the receiver acknowledged
+
+
+class PrefillRole(Role):
+    """Hands every request over after its first token; streams prompt layers to its transfer."""
+
+    def __init__(self, worker: PrefillWorker, stream_layers: bool) -> None:
+        self.worker = worker
+        self.streams_layers = stream_layers
+
+    def hands_over_after_first_token(self, request: Request) -> bool:
+        return True
+
+    def prompt_layer_computed(self, layer: int, requests: list[Request]) -> None:
+        for req in requests:
+            self.worker.layer_computed(req.request_id, layer)
+
+
+class PrefillWorker(EngineLoop):
+    def __init__(
+        self,
+        config: EngineConfig,
+        host: str = "127.0.0.1",
+        channel: str = "auto",
+        stream_layers: bool = True,
+        sender: KVSender | None = None,
+    ) -> None:
+        super().__init__(EngineCore(config, PrefillRole(self, stream_layers)), "prefill-loop")
+        engine = self.engine
+        self.fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
+        self.sender = sender or KVSender(self.fingerprint, host, channel)
+        self.stream_layers = stream_layers
+        self._transfers: dict[str, OutboundTransfer] = {}
+        self._futures: dict[str, Future[PrefillResult]] = {}
+        self._prefill_done: dict[str, float] = {}
+        self._sourced: set[str] = set()
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket: KVTicket
+    ) -> Future[PrefillResult]:
+        """Prefill and push to the ticket's receiver; ValueError (bad request) or TransferError
+        surface through the future."""
+        result: Future[PrefillResult] = Future()
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_token_ids, params)
+            except ValueError as e:
+                result.set_exception(e)
+                return
+            self._futures[request_id] = result
+            caches = self.engine.runner.kv_caches
+            self._transfers[request_id] = self.sender.begin(ticket, caches)
+
+        self.call(add)
+        return result
+
+    def abort(self, request_id: str) -> None:
+        self.call(lambda: self._abort(request_id))
+
+    # -- loop thread --------------------------------------------------------------------------
+
+    def layer_computed(self, request_id: str, layer: int) -> None:
+        transfer = self._transfers.get(request_id)
+        if transfer is None:
+            return
+        if request_id not in self._sourced:
+            transfer.set_source(self.engine.kv_cache.block_table(request_id))
+            self._sourced.add(request_id)
+        transfer.layer_ready(layer)
+
+    def after_step(self, deltas: list[RequestDelta]) -> None:
+        now = time.monotonic()
+        for d in deltas:
+            req = d.request
+            transfer = self._transfers.get(req.request_id)
+            if transfer is None or req.status != RequestStatus.FINISHED_PREFILLED:
+                continue
+            if not self.stream_layers:
+                transfer.set_source(self.engine.kv_cache.block_table(req.request_id))
+                transfer.all_layers_ready()
+            self._prefill_done[req.request_id] = now
+            transfer.finish(d.new_token_ids[0], d.logprobs[0] if d.logprobs else None)
+
+    def before_step(self) -> None:
+        for transfer in self.sender.poll():
+            key = transfer.ticket.request_key
+            self.engine.abort(key, RequestStatus.FINISHED_PREFILLED)  # frees the blocks
+            self._transfers.pop(key, None)
+            self._sourced.discard(key)
+            done = self._prefill_done.pop(key, time.monotonic())
+            future = self._futures.pop(key, None)
+            if future is None:
+                continue
+            if transfer.status.error is not None:
+                future.set_exception(transfer.status.error)
+            else:
+                future.set_result(
+                    PrefillResult(
+                        key,
+                        transfer.first_token,
+                        transfer.plane_name,
+                        transfer.nbytes,
+                        done,
+                        transfer.done_time,
+                    )
+                )
+
+    def _abort(self, request_id: str) -> None:
+        transfer = self._transfers.get(request_id)
+        if transfer is None:
+            self.engine.abort(request_id)
+            return
+        transfer.abort()  # before_step frees the blocks once the transfer stops reading them
+
+    def close(self) -> None:
+        self.stop()
+        self.sender.close()
+
+
+__all__ = ["PrefillResult", "PrefillWorker", "TransferError"]

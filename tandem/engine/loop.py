@@ -1,0 +1,76 @@
+"""An engine on its own thread. The engine is single-threaded; other threads (gRPC handlers,
+transfer threads) hand it work with `call`, which runs a function on the loop thread between
+steps and returns a future.
+
+Loop: run queued calls -> `before_step()` (poll transfers) -> `step()` when there is work ->
+`after_step(deltas)`; when idle it sleeps until a call arrives or `idle_s` passes (so polling
+continues while requests wait on the network).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from tandem.engine.engine import EngineCore, RequestDelta
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(self, engine: EngineCore, name: str, idle_s: float = 0.002) -> None:
+        self.engine = engine
+        self.idle_s = idle_s
+        self._calls: queue.Queue[tuple[Callable[[], object], Future[object]]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._calls.put((lambda: None, Future()))  # wake it
+        self._thread.join(timeout_s)
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run `fn` on the loop thread before the next step."""
+        future: Future[T] = Future()
+        self._calls.put((fn, future))  # type: ignore[arg-type]
+        return future
+
+    def before_step(self) -> None:
+        """Hook: runs every iteration on the loop thread."""
+
+    def after_step(self, deltas: list[RequestDelta]) -> None:
+        """Hook: what the step produced."""
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            busy = self.engine.has_unfinished()
+            try:
+                fn, future = self._calls.get(timeout=0 if busy else self.idle_s)
+                self._run_call(fn, future)
+                while True:
+                    fn, future = self._calls.get_nowait()
+                    self._run_call(fn, future)
+            except queue.Empty:
+                pass
+            self.before_step()
+            if self.engine.has_unfinished():
+                self.after_step(self.engine.step())
+
+    @staticmethod
+    def _run_call(fn: Callable[[], object], future: Future[object]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn())
+        except Exception as e:  # the caller gets it; the loop goes on
+            future.set_exception(e)
