@@ -46,6 +46,9 @@ class TokenChunk:
     token_ids: list[int]
     logprobs: list[TokenLogprobs]
     finish_reason: str | None = None  # "stop" | "length" | "abort"
+    draft_tokens: int = 0  # on the last chunk: speculative tokens verified, and accepted
+    accepted_tokens: int = 0
+    transfer_s: float = 0.0  # on the first chunk after a transfer: prefill end to admission
 
 
 class OutputStream:
@@ -178,7 +181,7 @@ class DecodeWorker(EngineLoop):
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
             self.metrics.success(a.nbytes, a.seconds, a.data_plane, exposed)
             req = scheduler.remote_kv_arrived(rid, a.first_token)
-            self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [])
+            self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
             return
         assert a.error is not None
         self.metrics.failure(a.error.cause)
@@ -190,12 +193,23 @@ class DecodeWorker(EngineLoop):
             if stream is not None:
                 stream.put(a.error)
 
-    def _emit(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
+    def _emit(
+        self,
+        req: Request,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs],
+        transfer_s: float = 0.0,
+    ) -> None:
         stream = self._streams.get(req.request_id)
         if stream is None:
             return
         reason = req.status.value if req.status.finished else None
-        stream.put(TokenChunk(tokens, logprobs, reason))
+        m = req.metrics
+        stream.put(
+            TokenChunk(
+                tokens, logprobs, reason, m.num_draft_tokens, m.num_accepted_tokens, transfer_s
+            )
+        )
         if reason is not None:
             del self._streams[req.request_id]
             self.role.local.discard(req.request_id)

@@ -33,6 +33,7 @@ class PrefillResult:
     first_token: int
     data_plane: str
     nbytes: int
+    submitted: float  # monotonic time the request reached this worker
     prefill_done: float  # monotonic time the first token was sampled
     transfer_done: float  # monotonic time the receiver acknowledged
 
@@ -69,6 +70,7 @@ class PrefillWorker(EngineLoop):
         self._transfers: dict[str, OutboundTransfer] = {}
         self._futures: dict[str, Future[PrefillResult]] = {}
         self._prefill_done: dict[str, float] = {}
+        self._submitted: dict[str, float] = {}
         self._sourced: set[str] = set()
 
     # -- any thread ---------------------------------------------------------------------------
@@ -79,6 +81,7 @@ class PrefillWorker(EngineLoop):
         """Prefill and push to the ticket's receiver; ValueError (bad request) or TransferError
         surface through the future."""
         result: Future[PrefillResult] = Future()
+        submitted = time.monotonic()
 
         def add() -> None:
             try:
@@ -87,6 +90,7 @@ class PrefillWorker(EngineLoop):
                 result.set_exception(e)
                 return
             self._futures[request_id] = result
+            self._submitted[request_id] = submitted
             caches = self.engine.runner.kv_caches
             self._transfers[request_id] = self.sender.begin(ticket, caches)
 
@@ -127,6 +131,7 @@ class PrefillWorker(EngineLoop):
             self._transfers.pop(key, None)
             self._sourced.discard(key)
             done = self._prefill_done.pop(key, time.monotonic())
+            submitted = self._submitted.pop(key, done)
             future = self._futures.pop(key, None)
             if future is None:
                 continue
@@ -139,6 +144,7 @@ class PrefillWorker(EngineLoop):
                         transfer.first_token,
                         transfer.plane_name,
                         transfer.nbytes,
+                        submitted,
                         done,
                         transfer.done_time,
                     )

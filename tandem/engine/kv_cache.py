@@ -25,6 +25,7 @@ Block lifecycle::
 """
 
 import hashlib
+import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -53,6 +54,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     """Chained hashes of the full blocks of token_ids (a trailing partial block has none)."""
     num_full = len(token_ids) // block_size
     return list(_iter_block_hashes(token_ids, block_size, 0, num_full, _ROOT_HASH))
+
+
+def prefix_key(block_hash: BlockHash) -> int:
+    """A block hash shortened to a non-negative int64, as workers publish it."""
+    return int.from_bytes(block_hash[:8], "little") >> 1
 
 
 class OutOfBlocksError(RuntimeError):
@@ -106,6 +112,12 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by requests."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def cached_hash_summary(self, limit: int) -> list[int]:
+        """The newest `limit` prefix-cache entries as 63-bit ints (for the cluster's prefix
+        index: a router compares them with `prefix_key`s of a prompt's block hashes)."""
+        newest = list(itertools.islice(reversed(self._cached), limit))
+        return [prefix_key(h) for h in newest]
 
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Cached blocks holding the longest prefix of full blocks of token_ids.

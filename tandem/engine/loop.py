@@ -27,6 +27,7 @@ class EngineLoop:
     def __init__(self, engine: EngineCore, name: str, idle_s: float = 0.002) -> None:
         self.engine = engine
         self.idle_s = idle_s
+        self.draining = False  # set by the server: take no new requests
         self._calls: queue.Queue[tuple[Callable[[], object], Future[object]]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -44,6 +45,11 @@ class EngineLoop:
         future: Future[T] = Future()
         self._calls.put((fn, future))  # type: ignore[arg-type]
         return future
+
+    def num_in_flight(self) -> int:
+        """Requests this worker still owes an answer to (read from any thread; approximate)."""
+        sched = self.engine.scheduler
+        return len(sched.waiting) + len(sched.running) + len(sched.parked) + self._calls.qsize()
 
     def before_step(self) -> None:
         """Hook: runs every iteration on the loop thread."""

@@ -1,0 +1,111 @@
+"""`tandem worker decode`: the DecodeWorker behind the internal gRPC API (thin servicer)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from decode_worker.worker import DecodeWorker
+from kv_transfer import TransferError
+from prefill_worker.server import TRANSFER_STATUS
+from tandem.config import EngineConfig
+from tandem.messages import logprobs_to_proto, sampling_from_proto
+from tandem.v1 import kv_transfer_pb2 as kvpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wpb_grpc
+from tandem.worker_server import WorkerServer, worker_stats
+
+TICKET_WAIT_S = 60.0  # a request waits this long at most for free blocks on this worker
+
+
+class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker, model: str) -> None:
+        self.worker = worker
+        self.model = model
+
+    def Decode(
+        self, request: wpb.DecodeRequest, context: grpc.ServicerContext
+    ) -> Iterator[wpb.DecodeResponse]:
+        if self.worker.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this decode worker is draining")
+        r = request.request
+        ticket_future, stream = self.worker.reserve(
+            r.request_id,
+            list(r.prompt_token_ids),
+            sampling_from_proto(r.sampling),
+            local=request.local_prefill,
+        )
+        context.add_callback(lambda: self.worker.cancel(r.request_id))  # no-op once finished
+        try:
+            ticket = ticket_future.result(timeout=TICKET_WAIT_S)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TransferError as e:
+            context.abort(grpc.StatusCode.CANCELLED, str(e))
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV blocks freed up in time")
+        yield wpb.DecodeResponse(ticket=ticket.to_proto() if ticket else kvpb.KVTicket())
+        try:
+            for chunk in stream:
+                yield wpb.DecodeResponse(
+                    tokens=wpb.TokenChunk(
+                        token_ids=chunk.token_ids,
+                        logprobs=[logprobs_to_proto(lp) for lp in chunk.logprobs],
+                        finish_reason=chunk.finish_reason or "",
+                        draft_tokens=chunk.draft_tokens,
+                        accepted_tokens=chunk.accepted_tokens,
+                        transfer_s=chunk.transfer_s,
+                    )
+                )
+        except TransferError as e:
+            context.abort(TRANSFER_STATUS[e.cause], str(e))
+
+    def Abort(
+        self, request: wpb.WorkerAbortRequest, context: grpc.ServicerContext
+    ) -> wpb.WorkerAbortResponse:
+        self.worker.cancel(request.request_id)
+        return wpb.WorkerAbortResponse()
+
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return worker_stats("decode", self.model, self.worker)
+
+
+def build_server(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    registry_url: str | None = None,
+    metrics_port: int | None = 0,
+    on_transfer_failure: str = "local",
+    transfer_timeout_s: float = 30.0,
+) -> WorkerServer:
+    """A started decode worker: engine loop, KV receiver, gRPC server, metrics, registration."""
+    worker = DecodeWorker(
+        config,
+        host,
+        transfer_timeout_s=transfer_timeout_s,
+        on_transfer_failure=on_transfer_failure,
+    )
+    model = config.model.model
+
+    def add(server: grpc.Server) -> None:
+        wpb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, model), server)
+
+    name = wpb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+    server = WorkerServer(
+        "decode",
+        worker,
+        model,
+        add,
+        [name],
+        host,
+        port,
+        metrics_port,
+        registry_url,
+        kv_endpoint=worker.receiver.endpoint,
+    )
+    worker.start()
+    server.start()
+    return server

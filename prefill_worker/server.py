@@ -1,0 +1,97 @@
+"""`tandem worker prefill`: the PrefillWorker behind the internal gRPC API (thin servicer)."""
+
+from __future__ import annotations
+
+import grpc
+
+from kv_transfer import KVTicket, TransferError
+from kv_transfer.state import FailureCause
+from prefill_worker.worker import PrefillWorker
+from tandem.config import EngineConfig
+from tandem.messages import sampling_from_proto
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wpb_grpc
+from tandem.worker_server import WorkerServer, worker_stats
+
+# How a failed transfer reaches the router (which retries another worker on the retryable ones).
+TRANSFER_STATUS = {
+    FailureCause.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    FailureCause.PEER_LOST: grpc.StatusCode.UNAVAILABLE,
+    FailureCause.BAD_METADATA: grpc.StatusCode.FAILED_PRECONDITION,
+    FailureCause.CANCELLED: grpc.StatusCode.CANCELLED,
+    FailureCause.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    FailureCause.SETUP: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker, model: str) -> None:
+        self.worker = worker
+        self.model = model
+
+    def Prefill(
+        self, request: wpb.PrefillRequest, context: grpc.ServicerContext
+    ) -> wpb.PrefillResponse:
+        if self.worker.draining:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
+        r = request.request
+        ticket = KVTicket.from_proto(request.ticket)
+        future = self.worker.submit(
+            r.request_id, list(r.prompt_token_ids), sampling_from_proto(r.sampling), ticket
+        )
+
+        def on_rpc_done() -> None:  # the router cancelled, or the deadline passed
+            if not future.done():
+                self.worker.abort(r.request_id)
+
+        context.add_callback(on_rpc_done)
+        try:
+            result = future.result(timeout=ticket.timeout_s + 5.0)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TransferError as e:
+            context.abort(TRANSFER_STATUS[e.cause], str(e))
+        except TimeoutError:
+            self.worker.abort(r.request_id)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+        return wpb.PrefillResponse(
+            first_token=result.first_token,
+            data_plane=result.data_plane,
+            kv_bytes=result.nbytes,
+            prefill_s=result.prefill_done - result.submitted,
+            transfer_s=result.transfer_done - result.prefill_done,
+        )
+
+    def Abort(
+        self, request: wpb.WorkerAbortRequest, context: grpc.ServicerContext
+    ) -> wpb.WorkerAbortResponse:
+        self.worker.abort(request.request_id)
+        return wpb.WorkerAbortResponse()
+
+    def Stats(self, request: wpb.StatsRequest, context: grpc.ServicerContext) -> wpb.WorkerStats:
+        return worker_stats("prefill", self.model, self.worker)
+
+
+def build_server(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    registry_url: str | None = None,
+    metrics_port: int | None = 0,
+    channel: str = "auto",
+    stream_layers: bool = True,
+) -> WorkerServer:
+    """A started prefill worker: engine loop, gRPC server, metrics, registration."""
+    worker = PrefillWorker(config, host, channel, stream_layers)
+    model = config.model.model
+
+    def add(server: grpc.Server) -> None:
+        wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, model), server)
+
+    name = wpb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+    server = WorkerServer(
+        "prefill", worker, model, add, [name], host, port, metrics_port, registry_url
+    )
+    worker.start()
+    server.start()
+    return server

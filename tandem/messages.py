@@ -1,0 +1,71 @@
+"""Translations between tandem.v1 messages and engine values, shared by the router and workers."""
+
+from __future__ import annotations
+
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+from tandem.v1 import api_pb2
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
+    """Unset optional fields keep SamplingParams' defaults; the caller validates the result."""
+    kwargs: dict[str, object] = {}
+    for name in ("max_tokens", "top_k", "seed", "logprobs", *_FLOAT_FIELDS):
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return SamplingParams(
+        stop=tuple(msg.stop),
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        min_tokens=msg.min_tokens,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
+    msg = api_pb2.SamplingOptions(
+        max_tokens=params.max_tokens,
+        top_k=params.top_k,
+        stop=list(params.stop_strings),
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+    )
+    for name in _FLOAT_FIELDS:
+        setattr(msg, name, getattr(params, name))
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> api_pb2.TokenLogprob:
+    return api_pb2.TokenLogprob(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top=[
+            api_pb2.TopLogprobEntry(token_id=t, logprob=p)
+            for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        ],
+    )
+
+
+def logprobs_from_proto(msg: api_pb2.TokenLogprob) -> TokenLogprobs:
+    return TokenLogprobs(
+        msg.token_id,
+        msg.logprob,
+        msg.rank,
+        tuple(t.token_id for t in msg.top),
+        tuple(t.logprob for t in msg.top),
+    )

@@ -1,0 +1,219 @@
+"""What both worker servers share: the gRPC server (with grpc.health.v1 and reflection), the
+Prometheus `/metrics` endpoint, the Redis registration with a TTL heartbeat, and draining.
+
+Lifecycle: start -> SERVING (registered, heartbeat every ttl/3) -> SIGTERM or `drain()`:
+NOT_SERVING, `draining` published (routers stop sending), in-flight requests finish (up to
+`drain_timeout_s`) -> deregistered -> stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from tandem.engine.engine import EngineCore
+from tandem.registry import Registry, WorkerRecord
+from tandem.v1 import worker_pb2 as wpb
+
+log = logging.getLogger(__name__)
+
+PREFIX_SUMMARY_SIZE = 4096
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+class Worker(Protocol):
+    """The worker core a server wraps (PrefillWorker or DecodeWorker)."""
+
+    engine: EngineCore
+    draining: bool
+
+    def num_in_flight(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+def worker_stats(role: str, model: str, worker: Worker) -> wpb.WorkerStats:
+    sched, kv = worker.engine.scheduler, worker.engine.kv_cache
+    return wpb.WorkerStats(
+        role=role,
+        model=model,
+        running=len(sched.running) + len(sched.parked),
+        waiting=len(sched.waiting),
+        kv_blocks_total=kv.num_blocks,
+        kv_blocks_free=kv.num_free_blocks,
+        draining=worker.draining,
+    )
+
+
+def engine_gauges(role: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
+    """Scrape-time gauges of the engine: queue, batch, KV blocks and usage, prefix hits."""
+
+    def collect() -> Iterable[Metric]:
+        engine = worker.engine
+        sched, kv = engine.scheduler, engine.kv_cache
+        stats = kv.stats
+        for name, doc, value in (
+            ("tandem_requests_waiting", "Requests queued in the engine", len(sched.waiting)),
+            ("tandem_requests_running", "Requests in the running batch", len(sched.running)),
+            ("tandem_requests_parked", "Requests waiting for KV or hand-over", len(sched.parked)),
+            ("tandem_kv_blocks_total", "KV cache blocks", kv.num_blocks),
+            ("tandem_kv_blocks_free", "KV cache blocks free or evictable", kv.num_free_blocks),
+            ("tandem_kv_usage", "Fraction of KV blocks referenced", kv.usage),
+            ("tandem_prefix_cache_hit_tokens", "Prompt tokens found cached", stats.prefix_hits),
+            (
+                "tandem_prefix_cache_query_tokens",
+                "Prompt tokens looked up",
+                kv.stats.prefix_queries,
+            ),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=["role"])
+            g.add_metric([role], float(value))
+            yield g
+
+    return collect
+
+
+class _Collector:
+    def __init__(self, collect: Callable[[], Iterable[Metric]]) -> None:
+        self.collect = collect
+
+
+class WorkerServer:
+    def __init__(
+        self,
+        role: str,
+        worker: Worker,
+        model: str,
+        add_servicer: Callable[[grpc.Server], None],
+        service_names: list[str],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        metrics_port: int | None = 0,
+        registry_url: str | None = None,
+        kv_endpoint: str = "",
+        ttl_s: float = 3.0,
+        max_workers: int = 64,
+    ) -> None:
+        self.role = role
+        self.worker = worker
+        self.model = model
+        self.worker_id = f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+        self.ttl_s = ttl_s
+        self.kv_endpoint = kv_endpoint
+        self.metrics = CollectorRegistry()
+        self.metrics.register(_Collector(engine_gauges(role, worker)))
+        self.service_names = service_names
+        self.started_at = time.time()
+        self._stop = threading.Event()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=role),
+            options=GRPC_OPTIONS,
+        )
+        add_servicer(self.server)
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.endpoint = f"{host}:{self.port}"
+        self.metrics_url = ""
+        if metrics_port is not None:
+            httpd, _ = start_http_server(metrics_port, host, registry=self.metrics)
+            self._httpd = httpd
+            self.metrics_url = f"http://{host}:{httpd.server_address[1]}/metrics"
+        self.registry = Registry(registry_url) if registry_url else None
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.server.start()
+        for name in ("", *self.service_names):
+            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self.registry is not None:
+            self.registry.register(self.record(), self.ttl_s)
+            self._heartbeat.start()
+
+    def record(self) -> WorkerRecord:
+        engine = self.worker.engine
+        sched, kv = engine.scheduler, engine.kv_cache
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            model=self.model,
+            endpoint=self.endpoint,
+            kv_endpoint=self.kv_endpoint,
+            metrics_url=self.metrics_url,
+            kv_blocks_total=kv.num_blocks,
+            kv_blocks_free=kv.num_free_blocks,
+            running=len(sched.running) + len(sched.parked),
+            waiting=len(sched.waiting),
+            draining=self.worker.draining,
+            prefix_hashes=tuple(kv.cached_hash_summary(PREFIX_SUMMARY_SIZE)),
+            started_at=self.started_at,
+            heartbeat_at=time.time(),
+        )
+
+    def _beat(self) -> None:
+        assert self.registry is not None
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.registry.heartbeat(self.record(), self.ttl_s)
+            except Exception as e:  # Redis blip: keep serving, retry next beat
+                log.warning("heartbeat failed: %s", e)
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Stop taking work, let in-flight requests finish, deregister, stop."""
+        self.worker.draining = True
+        self.health.enter_graceful_shutdown()
+        if self.registry is not None:
+            try:
+                self.registry.heartbeat(self.record(), self.ttl_s)
+            except Exception as e:
+                log.warning("could not publish draining: %s", e)
+        deadline = time.monotonic() + timeout_s
+        while self.worker.num_in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.registry is not None:
+            try:
+                self.registry.deregister(self.worker_id)
+            except Exception as e:
+                log.warning("could not deregister: %s", e)
+        self.server.stop(1.0).wait()
+        self.worker.close()
+        if hasattr(self, "_httpd"):
+            self._httpd.shutdown()
+
+    def serve_until_signal(self) -> None:
+        """Block; SIGTERM or SIGINT drains."""
+        done = threading.Event()
+
+        def drain_then_exit() -> None:
+            self.drain()
+            done.set()
+
+        def on_signal(signum: int, _frame: object) -> None:
+            log.info("signal %d: draining", signum)
+            threading.Thread(target=drain_then_exit, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        done.wait()
