@@ -80,6 +80,7 @@ def build_server(
     metrics_port: int | None = 0,
     on_transfer_failure: str = "local",
     transfer_timeout_s: float = 30.0,
+    ttl_s: float = 3.0,
 ) -> WorkerServer:
     """A started decode worker: engine loop, KV receiver, gRPC server, metrics, registration."""
     worker = DecodeWorker(
@@ -105,6 +106,7 @@ def build_server(
         metrics_port,
         registry_url,
         kv_endpoint=worker.receiver.endpoint,
+        ttl_s=ttl_s,
     )
     worker.start()
     server.start()

@@ -80,6 +80,7 @@ def build_server(
     metrics_port: int | None = 0,
     channel: str = "auto",
     stream_layers: bool = True,
+    ttl_s: float = 3.0,
 ) -> WorkerServer:
     """A started prefill worker: engine loop, gRPC server, metrics, registration."""
     worker = PrefillWorker(config, host, channel, stream_layers)
@@ -90,7 +91,7 @@ def build_server(
 
     name = wpb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
     server = WorkerServer(
-        "prefill", worker, model, add, [name], host, port, metrics_port, registry_url
+        "prefill", worker, model, add, [name], host, port, metrics_port, registry_url, ttl_s=ttl_s
     )
     worker.start()
     server.start()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -15,7 +15,9 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 models_app = typer.Typer(no_args_is_help=True, help="Manage local models.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
 app.add_typer(models_app, name="models")
+worker_app = typer.Typer(no_args_is_help=True, help="Run one worker (prefill or decode).")
 app.add_typer(bench_app, name="bench")
+app.add_typer(worker_app, name="worker")
 console = Console()
 
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
@@ -102,20 +104,121 @@ def generate(
         )
 
 
+def _engine_config(model: str, dtype: str, device: str, spec: str | None, **flat: object) -> Any:
+    from tandem.config import EngineConfig
+
+    speculative = {"method": spec} if spec else None
+    return EngineConfig.create(model, speculative, dtype=dtype, device=device, **flat)
+
+
 @app.command()
 def serve(
     model: ModelOpt = DEFAULT_MODEL,
+    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
+    decode: Annotated[int, typer.Option(help="Decode workers.")] = 1,
+    ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Workers on Ray.")] = False,
+    redis: Annotated[str | None, typer.Option(help="redis:// URL; default: embedded.")] = None,
+    host: str = "127.0.0.1",
+    http_port: int = 8000,
+    grpc_port: int = 50051,
+    spec: Annotated[str | None, typer.Option(help="Speculative decoding on D: ngram.")] = None,
+    dtype: DtypeOpt = "float32",
+    demo: Annotated[bool, typer.Option(help="Answer one request, then keep serving.")] = True,
+) -> None:
+    """Start the local cluster: registry, router, prefill and decode workers."""
+    from tandem.launcher import LocalCluster
+
+    if ray:
+        raise typer.BadParameter("the Ray-managed cluster is not built yet", param_hint="--ray")
+    worker_args = ["--dtype", dtype] + (["--spec", spec] if spec else [])
+    cluster = LocalCluster(
+        model, prefill, decode, redis, host, http_port, grpc_port, worker_args=worker_args
+    )
+    console.print(f"starting {prefill} prefill + {decode} decode workers on {model} ...")
+    address = cluster.start()
+    try:
+        console.print(f"[green]ready[/green]  HTTP {address.http_url}  gRPC {address.grpc_target}")
+        console.print(
+            f"  curl {address.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}'"""
+        )
+        console.print(
+            f'  grpcurl -plaintext -d \'{{"prompt": "Hi"}}\' {address.grpc_target} '
+            "tandem.v1.Tandem/Generate"
+        )
+        if demo:
+            _demo_request(address.http_url, model)
+        console.print("[dim]serving; Ctrl-C stops[/dim]")
+        assert cluster.router_server is not None
+        cluster.router_server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+
+
+def _demo_request(http_url: str, model: str) -> None:
+    import json
+    import urllib.request
+
+    prompt = "In one sentence, what does a language model do?"
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64}
+    request = urllib.request.Request(
+        f"{http_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        reply = json.load(response)
+    console.print(f"[bold]user:[/bold] {prompt}")
+    console.print(f"[bold]assistant:[/bold] {reply['choices'][0]['message']['content']}")
+
+
+@worker_app.command("prefill")
+def worker_prefill(
+    model: ModelOpt = DEFAULT_MODEL,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    redis: Annotated[str | None, typer.Option(help="Registry URL.")] = None,
+    metrics_port: int = 0,
+    channel: Annotated[str, typer.Option(help="KV channel: auto|grpc|pair|shm")] = "auto",
+    stream_layers: bool = True,
+    ttl: Annotated[float, typer.Option(help="Registry heartbeat TTL, seconds.")] = 3.0,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
+    spec: Annotated[str | None, typer.Option(help="Ignored on prefill workers.")] = None,
 ) -> None:
-    """Start Tandem. (Until the cluster lands: the offline engine answers a demo chat.)"""
-    console.print(
-        "[yellow]The serving cluster is not built yet; the offline engine answers a demo chat."
-        "[/yellow]"
+    """A prefill worker: computes prompts and pushes their KV to decode workers."""
+    from prefill_worker.server import build_server
+
+    config = _engine_config(model, dtype, device, None)
+    server = build_server(
+        config, host, port, redis, metrics_port, channel, stream_layers, ttl_s=ttl
     )
-    prompt = "In one sentence, what does a language model do?"
-    console.print(f"[bold]user:[/bold] {prompt}")
-    generate(prompt, chat=True, max_tokens=96, model=model, dtype=dtype, device=device)
+    console.print(f"prefill worker {server.worker_id} on {server.endpoint}")
+    server.serve_until_signal()
+
+
+@worker_app.command("decode")
+def worker_decode(
+    model: ModelOpt = DEFAULT_MODEL,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    redis: Annotated[str | None, typer.Option(help="Registry URL.")] = None,
+    metrics_port: int = 0,
+    on_transfer_failure: Annotated[str, typer.Option(help="local | fail")] = "local",
+    ttl: Annotated[float, typer.Option(help="Registry heartbeat TTL, seconds.")] = 3.0,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    spec: Annotated[str | None, typer.Option(help="Speculative decoding: ngram.")] = None,
+) -> None:
+    """A decode worker: receives prompt KV and generates, with speculative decoding."""
+    from decode_worker.server import build_server
+
+    config = _engine_config(model, dtype, device, spec)
+    server = build_server(config, host, port, redis, metrics_port, on_transfer_failure, ttl_s=ttl)
+    console.print(f"decode worker {server.worker_id} on {server.endpoint}")
+    server.serve_until_signal()
 
 
 @bench_app.command("engine")
@@ -163,3 +266,78 @@ def bench_engine(
     except BenchError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    model: ModelOpt = DEFAULT_MODEL,
+    device: Annotated[
+        str, typer.Option(help="cpu | cuda | cuda:N (CUDA: the pair runs NCCL; no shm).")
+    ] = "cpu",
+    dtype: DtypeOpt = "float32",
+    channels: Annotated[str, typer.Option(help="Comma-separated: pair, grpc, shm.")] = (
+        "pair,grpc,shm"
+    ),
+    tokens: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths of the throughput part.")
+    ] = "512,2048,8192",
+    reps: int = 5,
+    exposed_channels: Annotated[
+        str, typer.Option(help="Channels of the exposed-time part (real workers).")
+    ] = "pair,grpc,shm",
+    exposed_tokens: Annotated[
+        str,
+        typer.Option(help="Comma-separated prompt lengths of the exposed-time part; '' skips it."),
+    ] = "2048",
+    exposed_reps: int = 3,
+    decode_tokens: Annotated[
+        int, typer.Option(help="Tokens decoded after admission; their TPOT is the decode step.")
+    ] = 16,
+    threads: int = 2,
+    seed: int = 0,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help="A pipeline check: 512 tokens, one round (overrides the sizes)."
+        ),
+    ] = False,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
+    ] = None,
+) -> None:
+    """KV transfer: each channel's GB/s against raw TCP / memcpy, and the exposed transfer time
+    with and without layer-wise streaming."""
+    from tandem.bench.engine import BenchError
+    from tandem.bench.transfer import BenchConfig, run_transfer_bench
+
+    def names(text: str) -> tuple[str, ...]:
+        return tuple(s.strip() for s in text.split(",") if s.strip())
+
+    try:
+        config = BenchConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            channels=names(channels),
+            prompt_tokens=tuple(int(n) for n in names(tokens)),
+            reps=reps,
+            exposed_channels=names(exposed_channels),
+            exposed_tokens=tuple(int(n) for n in names(exposed_tokens)),
+            exposed_reps=exposed_reps,
+            decode_tokens=decode_tokens,
+            threads=threads,
+            seed=seed,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if quick:
+        config = config.quick()
+    try:
+        run_transfer_bench(config, json_out, console)
+    except BenchError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+
+
+if __name__ == "__main__":
+    app()

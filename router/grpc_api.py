@@ -1,0 +1,180 @@
+"""The public gRPC API (`tandem.v1.Tandem`) and the admin API (`tandem.v1.Admin`) on grpc.aio:
+thin servicers that translate messages and delegate to the Router."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from router.core import Delta, Router
+from router.errors import RouterError, invalid
+from tandem.messages import logprobs_to_proto, sampling_from_proto
+from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc
+
+
+def _prepare_args(request: api_pb2.GenerateRequest) -> dict[str, Any]:
+    which = request.WhichOneof("input")
+    if which == "prompt":
+        return {"prompt": request.prompt}
+    if which == "prompt_token_ids":
+        return {"prompt_token_ids": list(request.prompt_token_ids.ids)}
+    if which == "chat":
+        return {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
+    raise invalid("one of prompt, prompt_token_ids or chat is required", "input")
+
+
+def delta_to_proto(request_id: str, d: Delta) -> api_pb2.GenerateResponse:
+    msg = api_pb2.GenerateResponse(
+        request_id=request_id,
+        token_ids=d.token_ids,
+        text=d.text,
+        logprobs=[logprobs_to_proto(lp) for lp in d.logprobs],
+        finish_reason=d.finish_reason or "",
+    )
+    if d.finish_reason is not None:
+        msg.usage.prompt_tokens = d.prompt_tokens
+        msg.usage.completion_tokens = d.completion_tokens
+        t = d.timings or {}
+        for name in ("queue_s", "ttft_s", "e2e_s", "tpot_s", "transfer_s"):
+            setattr(msg.timings, name, float(t.get(name, 0.0)))
+        msg.timings.prefill_worker = t.get("prefill_worker", "")
+        msg.timings.decode_worker = t.get("decode_worker", "")
+        msg.timings.draft_tokens = int(t.get("draft_tokens", 0))
+        msg.timings.accepted_tokens = int(t.get("accepted_tokens", 0))
+    return msg
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, e: RouterError) -> None:
+    details = (
+        f"{e.field}: {e.message}" if e.field and not e.message.startswith(e.field) else e.message
+    )
+    if e.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after", str(int(e.retry_after_s + 0.999))),))
+    await context.abort(e.kind.grpc_code, details)
+
+
+class TandemServicer(api_pb2_grpc.TandemServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(
+        self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[api_pb2.GenerateResponse]:
+        try:
+            try:
+                params = sampling_from_proto(request.sampling)
+            except (TypeError, ValueError) as e:
+                raise invalid(str(e), "sampling") from None
+            prep = self.router.prepare(
+                params,
+                model=request.model,
+                request_id=request.request_id,
+                priority=request.priority,
+                timeout_s=request.timeout_s,
+                **_prepare_args(request),
+            )
+            async for delta in self.router.generate(prep):
+                yield delta_to_proto(prep.request_id, delta)
+        except RouterError as e:
+            await _abort_with(context, e)
+
+    async def Abort(
+        self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.AbortResponse:
+        return api_pb2.AbortResponse(found=self.router.abort(request.request_id))
+
+    async def ListModels(
+        self, request: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> api_pb2.ListModelsResponse:
+        r = self.router
+        card = api_pb2.ModelCard(
+            id=r.model_name,
+            max_model_len=r.max_model_len,
+            prefill_workers=len(r.snapshot.workers(model=r.model_name, role="prefill")),
+            decode_workers=len(r.snapshot.workers(model=r.model_name, role="decode")),
+        )
+        return api_pb2.ListModelsResponse(models=[card])
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Needs `authorization: Bearer <token>` when the router has an admin token."""
+
+    def __init__(self, router: Router, token: str | None) -> None:
+        self.router = router
+        self.token = token
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.token is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        if metadata.get("authorization") != f"Bearer {self.token}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token required")
+
+    async def ListWorkers(
+        self, request: admin_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ListWorkersResponse:
+        await self._authorize(context)
+        now = time.time()
+        return admin_pb2.ListWorkersResponse(
+            workers=[
+                admin_pb2.WorkerInfo(
+                    worker_id=w.worker_id,
+                    role=w.role,
+                    endpoint=w.endpoint,
+                    kv_endpoint=w.kv_endpoint,
+                    model=w.model,
+                    running=w.running,
+                    waiting=w.waiting,
+                    kv_blocks_total=w.kv_blocks_total,
+                    kv_blocks_free=w.kv_blocks_free,
+                    draining=w.draining,
+                    heartbeat_age_s=now - w.heartbeat_at,
+                )
+                for w in self.router.snapshot.workers()
+            ]
+        )
+
+    async def Scale(
+        self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ScaleResponse:
+        await self._authorize(context)
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "scaling needs the Ray cluster controller"
+        )
+        return admin_pb2.ScaleResponse()
+
+    async def Drain(
+        self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DrainResponse:
+        await self._authorize(context)
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED, "draining by RPC needs the Ray cluster controller"
+        )
+        return admin_pb2.DrainResponse()
+
+
+async def build_grpc_server(
+    router: Router, address: str, admin_token: str | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """The router's gRPC server (public + admin + health + reflection), not yet started."""
+    server = grpc.aio.server()
+    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(router), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, admin_token), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [
+        api_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name,
+        admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    ]
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(address)
+    for name in ("", *names[:2]):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, port

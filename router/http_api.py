@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming),
+/v1/models, plus /health, /ready and /metrics. Routes translate and delegate to the Router.
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 naming the
+field (malformed JSON included), 404 for an unknown model, 429 with Retry-After under overload,
+503 when no worker can serve, 504 past the deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.core import Delta, Prepared, Router
+from router.errors import RouterError, invalid
+from router.metrics import RouterMetrics
+from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.sampling_params import SamplingParams
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = ""
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    timeout: float = 0.0  # seconds; 0 = the router's default
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise invalid(f"n must be 1, got {self.n}", "n")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids),
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def error_body(e: RouterError) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": e.message,
+            "type": e.kind.openai_type,
+            "param": e.field,
+            "code": e.kind.http_status,
+        }
+    }
+
+
+def error_response(e: RouterError) -> JSONResponse:
+    headers = {}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(int(e.retry_after_s + 0.999))
+    return JSONResponse(error_body(e), status_code=e.kind.http_status, headers=headers)
+
+
+def build_app(router: Router, metrics: RouterMetrics | None = None) -> FastAPI:
+    app = FastAPI(title="Tandem", version="1")
+    metrics = metrics or RouterMetrics(router)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        field = "body" if first.get("type") == "json_invalid" else ".".join(loc) or "body"
+        message = f"{field}: {first.get('msg', 'invalid request')}"
+        return error_response(invalid(message, field))
+
+    @app.exception_handler(RouterError)
+    async def on_router_error(request: Request, exc: RouterError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        decode = router.snapshot.workers(model=router.model_name, role="decode")
+        ok = bool(decode)
+        return JSONResponse({"ready": ok, "decode_workers": len(decode)}, 200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": router.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "tandem",
+            "max_model_len": router.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        if body.echo:
+            raise invalid("echo is not supported", "echo")
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompt: dict[str, Any] = (
+            {"prompt": body.prompt}
+            if isinstance(body.prompt, str)
+            else {"prompt_token_ids": body.prompt}
+        )
+        prep = router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
+        render = _CompletionRender(router, prep, body.logprobs is not None)
+        return await _respond(router, metrics, prep, render, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest) -> Response:
+        n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = body.sampling_params(max_tokens, n_logprobs)
+        messages = [m.model_dump() for m in body.messages]
+        prep = router.prepare(params, model=body.model, messages=messages, timeout_s=body.timeout)
+        render = _ChatRender(router, prep, body.logprobs)
+        return await _respond(router, metrics, prep, render, body.stream, body.include_usage)
+
+    return app
+
+
+async def _respond(
+    router: Router,
+    metrics: RouterMetrics,
+    prep: Prepared,
+    render: _Render,
+    stream: bool,
+    include_usage: bool,
+) -> Response:
+    deltas = metrics.observe(router.generate(prep))
+    if not stream:
+        async for d in deltas:
+            render.add(d)
+        return JSONResponse(render.full())
+    # Pull the first delta before answering 200, so admission and routing errors get their
+    # status codes rather than a broken stream.
+    first = await anext(deltas)
+
+    async def sse() -> AsyncIterator[str]:
+        try:
+            yield _event(render.chunk(first, first=True))
+            async for d in deltas:
+                yield _event(render.chunk(d))
+            if include_usage:
+                yield _event(render.usage_chunk())
+        except RouterError as e:  # after the 200: report in the stream, as OpenAI does
+            yield _event(error_body(e))
+        finally:
+            await deltas.aclose()  # a client that left cancels the request on both workers
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return "data: " + json.dumps(payload) + "\n\n"
+
+
+class _Render:
+    """Accumulates deltas into an OpenAI response, or turns each into a stream chunk."""
+
+    kind = ""
+
+    def __init__(self, router: Router, prep: Prepared, logprobs: bool) -> None:
+        self.tokenizer = router.tokenizer
+        self.model = router.model_name
+        self.prep = prep
+        self.logprobs = logprobs
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.token_logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.completion_tokens = 0
+
+    prefix = "cmpl"
+
+    def add(self, d: Delta) -> None:
+        self.text.append(d.text)
+        self.token_logprobs.extend(d.logprobs)
+        if d.finish_reason is not None:
+            self.finish_reason = d.finish_reason
+            self.stop_reason = d.stop_reason
+            self.completion_tokens = d.completion_tokens
+
+    def usage(self) -> dict[str, int]:
+        n_prompt = len(self.prep.prompt_token_ids)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": n_prompt + self.completion_tokens,
+        }
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.envelope(f"{self.kind}.chunk", []), "usage": self.usage()}
+
+    def token_text(self, token_id: int) -> str:
+        return str(self.tokenizer.decode([token_id]))
+
+    def full(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _CompletionRender(_Render):
+    kind = "text_completion"
+    prefix = "cmpl"
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return {
+            "tokens": [self.token_text(lp.token_id) for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [
+                {
+                    self.token_text(t): p
+                    for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                }
+                for lp in lps
+            ],
+        }
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        pairs = zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        return {self.token_text(t): p for t, p in pairs}
+
+    def full(self) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "text": "".join(self.text),
+            "logprobs": self._logprobs(self.token_logprobs),
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+        return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
+
+    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
+        self.add(d)
+        choice = {
+            "index": 0,
+            "text": d.text,
+            "logprobs": self._logprobs(d.logprobs),
+            "finish_reason": d.finish_reason,
+        }
+        return self.envelope("text_completion", [choice])
+
+
+class _ChatRender(_Render):
+    kind = "chat.completion"
+    prefix = "chatcmpl"
+
+    def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {
+            "content": [
+                {
+                    **entry(lp.token_id, lp.logprob),
+                    "top_logprobs": [
+                        entry(t, p) for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+                    ],
+                }
+                for lp in lps
+            ]
+        }
+
+    def full(self) -> dict[str, Any]:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": "".join(self.text)},
+            "logprobs": self._logprobs(self.token_logprobs),
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+        return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
+
+    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
+        self.add(d)
+        delta: dict[str, Any] = {"content": d.text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": self._logprobs(d.logprobs),
+            "finish_reason": d.finish_reason,
+        }
+        return self.envelope("chat.completion.chunk", [choice])

@@ -1,0 +1,99 @@
+"""Run the router: the gRPC API and the HTTP API in one asyncio loop, over a registry snapshot.
+
+`RouterServer` runs that loop on a thread (the local launcher and tests use it);
+`tandem router` blocks on it until interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from router.core import Router, RouterConfig
+from router.grpc_api import build_grpc_server
+from router.http_api import build_app
+from tandem.registry import Registry, RegistrySnapshot
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterAddress:
+    http_url: str  # e.g. http://127.0.0.1:8000
+    grpc_target: str  # e.g. 127.0.0.1:50051
+
+
+class RouterServer:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry_url: str,
+        host: str = "127.0.0.1",
+        http_port: int = 8000,
+        grpc_port: int = 50051,
+        admin_token: str | None = None,
+        refresh_s: float = 0.25,
+    ) -> None:
+        self.config = config
+        self.registry = Registry(registry_url)
+        self.snapshot = RegistrySnapshot(self.registry, refresh_s=refresh_s)
+        self.host = host
+        self.admin_token = admin_token
+        self._http_socket = socket.create_server((host, http_port), reuse_port=False)
+        self._grpc_port = grpc_port
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="router", daemon=True)
+        self.router: Router | None = None
+        self.address: RouterAddress | None = None
+        self._uvicorn: uvicorn.Server | None = None
+
+    def start(self, timeout_s: float = 60.0) -> RouterAddress:
+        self.snapshot.refresh()
+        self.snapshot.start()
+        self._thread.start()
+        if not self._ready.wait(timeout_s) or self.address is None:
+            raise RuntimeError(f"the router did not start: {self._error}")
+        return self.address
+
+    def _run(self) -> None:
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as e:  # report to start(); the thread ends
+            self._error = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self.router = Router(self.config, self.snapshot)
+        grpc_server, grpc_port = await build_grpc_server(
+            self.router, f"{self.host}:{self._grpc_port}", self.admin_token
+        )
+        await grpc_server.start()
+        app = build_app(self.router)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        self._uvicorn = uvicorn.Server(config)
+        http_port = self._http_socket.getsockname()[1]
+        self.address = RouterAddress(f"http://{self.host}:{http_port}", f"{self.host}:{grpc_port}")
+        serving = asyncio.create_task(self._uvicorn.serve(sockets=[self._http_socket]))
+        while not self._uvicorn.started and not serving.done():
+            await asyncio.sleep(0.01)
+        self._ready.set()
+        await serving
+        await grpc_server.stop(1.0)
+        await self.router.close()
+
+    def stop(self) -> None:
+        if self._uvicorn is not None:
+            self._uvicorn.should_exit = True
+        self._thread.join(10.0)
+        self.snapshot.close()
+        self.registry.close()
+
+    def wait(self) -> None:
+        self._thread.join()

@@ -1,0 +1,127 @@
+"""A local cluster as plain processes (`tandem serve --no-ray`): the registry (embedded Redis
+unless a URL is given), N prefill and M decode worker processes, and the router in this process.
+
+Start: registry -> workers (each registers itself) -> wait until all are registered -> router.
+Stop: router -> SIGTERM to each worker (it drains and deregisters) -> SIGKILL after a grace.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from router.core import RouterConfig
+from router.server import RouterAddress, RouterServer
+from tandem.registry import Registry
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
+class LocalCluster:
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    worker_args: list[str] = field(default_factory=list)  # extra `tandem worker` options
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    router: RouterConfig | None = None
+    admin_token: str | None = None
+    heartbeat_ttl_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        self.registry: Registry | None = None
+        self.workers: list[WorkerProcess] = []
+        self.router_server: RouterServer | None = None
+        self.address: RouterAddress | None = None
+
+    def start(self, timeout_s: float = 180.0) -> RouterAddress:
+        self.registry = Registry(self.redis_url)
+        for role, n in (("prefill", self.num_prefill), ("decode", self.num_decode)):
+            for _ in range(n):
+                self.add_worker(role)
+        self.wait_for_workers(self.num_prefill, self.num_decode, timeout_s)
+        config = self.router or RouterConfig(self.model)
+        self.router_server = RouterServer(
+            config,
+            self.registry.url,
+            self.host,
+            self.http_port,
+            self.grpc_port,
+            self.admin_token,
+        )
+        self.address = self.router_server.start()
+        return self.address
+
+    def add_worker(self, role: str) -> WorkerProcess:
+        assert self.registry is not None
+        extra = self.prefill_args if role == "prefill" else self.decode_args
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "worker",
+            role,
+            "--model",
+            self.model,
+            "--redis",
+            self.registry.url,
+            "--host",
+            self.host,
+            "--ttl",
+            str(self.heartbeat_ttl_s),
+            *self.worker_args,
+            *extra,
+        ]
+        worker = WorkerProcess(role, subprocess.Popen(cmd))
+        self.workers.append(worker)
+        return worker
+
+    def wait_for_workers(self, num_prefill: int, num_decode: int, timeout_s: float) -> None:
+        assert self.registry is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            live = self.registry.workers(model=self.model)
+            roles = [w.role for w in live]
+            if roles.count("prefill") >= num_prefill and roles.count("decode") >= num_decode:
+                return
+            dead = [w for w in self.workers if w.process.poll() is not None]
+            if dead:
+                raise RuntimeError(
+                    f"a {dead[0].role} worker exited with {dead[0].process.returncode}"
+                )
+            time.sleep(0.1)
+        raise TimeoutError(f"workers did not register within {timeout_s:.0f} s")
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.router_server is not None:
+            self.router_server.stop()
+        for w in self.workers:
+            if w.process.poll() is None:
+                w.process.terminate()
+        deadline = time.monotonic() + grace_s
+        for w in self.workers:
+            try:
+                w.process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                w.process.kill()
+                w.process.wait()
+        if self.registry is not None:
+            self.registry.close()
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
