@@ -109,7 +109,7 @@ class DecodeWorker(EngineLoop):
         )
         self.transfer_timeout_s = transfer_timeout_s
         self.on_transfer_failure = on_transfer_failure
-        self.metrics = TransferMetrics()
+        self.transfer_metrics = TransferMetrics()
         self._streams: dict[str, OutputStream] = {}
         self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
         self._cancelling: set[str] = set()
@@ -179,12 +179,12 @@ class DecodeWorker(EngineLoop):
         if a.state == TransferState.SUCCESS:
             assert a.first_token is not None
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
-            self.metrics.success(a.nbytes, a.seconds, a.data_plane, exposed)
+            self.transfer_metrics.success(a.nbytes, a.seconds, a.data_plane, exposed)
             req = scheduler.remote_kv_arrived(rid, a.first_token)
             self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
             return
         assert a.error is not None
-        self.metrics.failure(a.error.cause)
+        self.transfer_metrics.failure(a.error.cause)
         if self.on_transfer_failure == "local" and a.error.cause != FailureCause.CANCELLED:
             scheduler.compute_prompt_locally(rid)
         else:

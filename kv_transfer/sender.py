@@ -64,7 +64,8 @@ class OutboundTransfer:
         self.ticket = ticket
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
-        self.status = TransferStatus(time.monotonic() + ticket.timeout_s)
+        self.started = time.monotonic()
+        self.status = TransferStatus(self.started + ticket.timeout_s)
         self.slots: torch.Tensor | None = None  # [num_tokens] source cache slots
         self.plane_name = ""
         self.nbytes = 0
@@ -264,6 +265,10 @@ class KVSender:
             for t in done:
                 del self._transfers[t.ticket.request_key]
         return done
+
+    def __len__(self) -> int:
+        """Transfers begun and not yet reported by poll()."""
+        return len(self._transfers)
 
     def choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
         plane = self._choose_plane(ticket, device)

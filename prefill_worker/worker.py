@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
+from kv_transfer.metrics import TransferMetrics
 from kv_transfer.ticket import model_fingerprint
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore, RequestDelta
@@ -67,6 +68,7 @@ class PrefillWorker(EngineLoop):
         self.fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
         self.sender = sender or KVSender(self.fingerprint, host, channel)
         self.stream_layers = stream_layers
+        self.transfer_metrics = TransferMetrics()
         self._transfers: dict[str, OutboundTransfer] = {}
         self._futures: dict[str, Future[PrefillResult]] = {}
         self._prefill_done: dict[str, float] = {}
@@ -136,8 +138,11 @@ class PrefillWorker(EngineLoop):
             if future is None:
                 continue
             if transfer.status.error is not None:
+                self.transfer_metrics.failure(transfer.status.error.cause)
                 future.set_exception(transfer.status.error)
             else:
+                seconds = transfer.done_time - transfer.started
+                self.transfer_metrics.success(transfer.nbytes, seconds, transfer.plane_name, None)
                 future.set_result(
                     PrefillResult(
                         key,

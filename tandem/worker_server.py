@@ -21,16 +21,19 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kv_transfer.metrics import TransferMetrics
 from tandem.engine.engine import EngineCore
+from tandem.engine.request import Request
 from tandem.registry import Registry, WorkerRecord
 from tandem.v1 import worker_pb2 as wpb
 
 log = logging.getLogger(__name__)
 
 PREFIX_SUMMARY_SIZE = 4096
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
@@ -42,6 +45,8 @@ class Worker(Protocol):
 
     engine: EngineCore
     draining: bool
+    transfer_metrics: TransferMetrics
+    on_finished: Callable[[Request], None] | None
 
     def num_in_flight(self) -> int: ...
 
@@ -61,32 +66,83 @@ def worker_stats(role: str, model: str, worker: Worker) -> wpb.WorkerStats:
     )
 
 
-def engine_gauges(role: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
-    """Scrape-time gauges of the engine: queue, batch, KV blocks and usage, prefix hits."""
+def worker_metrics(role: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
+    """Scrape-time metrics of the worker: queue, batch, KV blocks and usage, prefix-cache hits,
+    speculative decoding acceptance, KV transfer bytes/seconds/failures."""
+
+    def gauge(name: str, doc: str, value: float) -> Metric:
+        g = GaugeMetricFamily(name, doc, labels=["role"])
+        g.add_metric([role], float(value))
+        return g
+
+    def counter(name: str, doc: str, value: float) -> Metric:
+        c = CounterMetricFamily(name, doc, labels=["role"])
+        c.add_metric([role], float(value))
+        return c
 
     def collect() -> Iterable[Metric]:
         engine = worker.engine
         sched, kv = engine.scheduler, engine.kv_cache
-        stats = kv.stats
-        for name, doc, value in (
-            ("tandem_requests_waiting", "Requests queued in the engine", len(sched.waiting)),
-            ("tandem_requests_running", "Requests in the running batch", len(sched.running)),
-            ("tandem_requests_parked", "Requests waiting for KV or hand-over", len(sched.parked)),
-            ("tandem_kv_blocks_total", "KV cache blocks", kv.num_blocks),
-            ("tandem_kv_blocks_free", "KV cache blocks free or evictable", kv.num_free_blocks),
-            ("tandem_kv_usage", "Fraction of KV blocks referenced", kv.usage),
-            ("tandem_prefix_cache_hit_tokens", "Prompt tokens found cached", stats.prefix_hits),
-            (
-                "tandem_prefix_cache_query_tokens",
-                "Prompt tokens looked up",
-                kv.stats.prefix_queries,
-            ),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=["role"])
-            g.add_metric([role], float(value))
-            yield g
+        yield gauge("tandem_requests_waiting", "Requests queued in the engine", len(sched.waiting))
+        yield gauge("tandem_requests_running", "Requests in the running batch", len(sched.running))
+        yield gauge(
+            "tandem_requests_parked", "Requests waiting for KV or hand-over", len(sched.parked)
+        )
+        yield gauge("tandem_kv_blocks_total", "KV cache blocks", kv.num_blocks)
+        yield gauge("tandem_kv_blocks_free", "KV blocks free or evictable", kv.num_free_blocks)
+        yield gauge("tandem_kv_usage", "Fraction of KV blocks referenced", kv.usage)
+        yield counter(
+            "tandem_prefix_cache_hit_tokens", "Prompt tokens found cached", kv.stats.prefix_hits
+        )
+        yield counter(
+            "tandem_prefix_cache_query_tokens", "Prompt tokens looked up", kv.stats.prefix_queries
+        )
+        spec = sched.spec_stats
+        yield counter("tandem_spec_drafts", "Verify steps that carried drafts", spec.num_drafts)
+        yield counter("tandem_spec_draft_tokens", "Draft tokens verified", spec.num_draft_tokens)
+        yield counter(
+            "tandem_spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens
+        )
+        yield gauge("tandem_spec_acceptance_rate", "Accepted / draft tokens", spec.acceptance_rate)
+        transfers = worker.transfer_metrics
+        yield counter("tandem_kv_transfers", "KV transfers completed", transfers.completed)
+        yield counter("tandem_kv_transfer_bytes", "KV bytes transferred", transfers.nbytes)
+        yield counter("tandem_kv_transfer_seconds", "Seconds spent transferring", transfers.seconds)
+        failures = CounterMetricFamily(
+            "tandem_kv_transfer_failures", "Failed KV transfers by cause", labels=["role", "cause"]
+        )
+        for cause, n in sorted(transfers.failures.items(), key=lambda kv: kv[0].value):
+            failures.add_metric([role, cause.value], n)
+        yield failures
 
     return collect
+
+
+class LatencyHistograms:
+    """TTFT and TPOT of the requests this worker finished (TTFT from arrival at this worker)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.ttft = Histogram(
+            "tandem_worker_ttft_seconds",
+            "Time to first token here",
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "tandem_worker_tpot_seconds",
+            "Time per output token",
+            buckets=BUCKETS,
+            registry=registry,
+        )
+
+    def observe(self, request: Request) -> None:
+        m = request.metrics
+        if m.first_token_time is None:
+            return
+        self.ttft.observe(m.first_token_time - m.arrival_time)
+        n = len(request.output_token_ids)
+        if n > 1 and m.last_token_time is not None:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
 
 
 class _Collector:
@@ -117,7 +173,8 @@ class WorkerServer:
         self.ttl_s = ttl_s
         self.kv_endpoint = kv_endpoint
         self.metrics = CollectorRegistry()
-        self.metrics.register(_Collector(engine_gauges(role, worker)))
+        self.metrics.register(_Collector(worker_metrics(role, worker)))
+        worker.on_finished = LatencyHistograms(self.metrics).observe
         self.service_names = service_names
         self.started_at = time.time()
         self._stop = threading.Event()

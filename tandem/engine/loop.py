@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class EngineLoop:
         self.engine = engine
         self.idle_s = idle_s
         self.draining = False  # set by the server: take no new requests
+        self.on_finished: Callable[[Request], None] | None = None  # e.g. latency histograms
         self._calls: queue.Queue[tuple[Callable[[], object], Future[object]]] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -70,7 +72,12 @@ class EngineLoop:
                 pass
             self.before_step()
             if self.engine.has_unfinished():
-                self.after_step(self.engine.step())
+                deltas = self.engine.step()
+                self.after_step(deltas)
+                if self.on_finished is not None:
+                    for d in deltas:
+                        if d.finished:
+                            self.on_finished(d.request)
 
     @staticmethod
     def _run_call(fn: Callable[[], object], future: Future[object]) -> None:
