@@ -36,6 +36,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             list(r.prompt_token_ids),
             sampling_from_proto(r.sampling),
             local=request.local_prefill,
+            speculative=not r.HasField("speculative") or r.speculative,
         )
         context.add_callback(lambda: self.worker.cancel(r.request_id))  # no-op once finished
         try:

@@ -122,6 +122,7 @@ class DecodeWorker(EngineLoop):
         prompt_token_ids: list[int],
         params: SamplingParams,
         local: bool = False,
+        speculative: bool = True,
     ) -> tuple[Future[KVTicket | None], OutputStream]:
         """Queue a request; the future gives its ticket once blocks are reserved (None when
         `local`), or raises ValueError for a bad request."""
@@ -130,7 +131,7 @@ class DecodeWorker(EngineLoop):
 
         def add() -> None:
             try:
-                self.engine.add_request(request_id, prompt_token_ids, params)
+                self.engine.add_request(request_id, prompt_token_ids, params, 0, speculative)
             except ValueError as e:
                 ticket.set_exception(e)
                 return

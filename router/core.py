@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from tandem.registry import RegistrySnapshot, WorkerRecord
 
 from router.admission import Admission
 from router.errors import ErrorKind, RouterError, invalid
@@ -37,6 +36,7 @@ from tandem.engine.models.loader import load_config, load_tokenizer
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.messages import logprobs_from_proto, sampling_to_proto
+from tandem.registry import RegistrySnapshot, WorkerRecord
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -71,6 +71,7 @@ class Prepared:
     params: SamplingParams
     priority: int
     deadline: float  # monotonic
+    speculative: bool | None = None  # None: the decode worker's configuration
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -125,6 +126,7 @@ class Router:
         request_id: str = "",
         priority: int = 0,
         timeout_s: float = 0.0,
+        speculative: bool | None = None,
     ) -> Prepared:
         """Tokenize and validate; raises RouterError before any worker is involved."""
         if model and model != self.model_name:
@@ -153,7 +155,8 @@ class Router:
             raise invalid(str(e)) from None
         timeout = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        return Prepared(rid, tokens, params, priority, time.monotonic() + timeout)
+        deadline = time.monotonic() + timeout
+        return Prepared(rid, tokens, params, priority, deadline, speculative=speculative)
 
     def _chat_tokens(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         if not messages:
@@ -219,6 +222,8 @@ class Router:
             sampling=sampling_to_proto(prep.params),
             priority=prep.priority,
         )
+        if prep.speculative is not None:
+            wreq.speculative = prep.speculative
         detok = IncrementalDetokenizer(
             self.tokenizer,
             prep.prompt_token_ids,

@@ -76,6 +76,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 request_id=request.request_id,
                 priority=request.priority,
                 timeout_s=request.timeout_s,
+                speculative=request.speculative if request.HasField("speculative") else None,
                 **_prepare_args(request),
             )
             async for delta in self.router.generate(prep):

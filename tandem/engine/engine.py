@@ -78,8 +78,11 @@ class EngineCore:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        speculative: bool = True,
     ) -> Request:
-        """Validate and queue a request; raises ValueError before any KV is allocated."""
+        """Validate and queue a request; raises ValueError before any KV is allocated.
+
+        `speculative=False` opts this request out of the engine's speculative decoding."""
         params.validate(self.vocab_size)
         validate_prompt_token_ids(
             prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens
@@ -103,7 +106,14 @@ class EngineCore:
                 f"{self.kv_cache.num_blocks} (raise cache memory or lower max_tokens)"
             )
         generator = request_generator(params.seed, self.config.model.torch_device)
-        req = Request(request_id, list(prompt_token_ids), params, priority, generator=generator)
+        req = Request(
+            request_id,
+            list(prompt_token_ids),
+            params,
+            priority,
+            generator=generator,
+            speculative=speculative,
+        )
         self.scheduler.add(req)
         return req
 
@@ -154,8 +164,11 @@ class EngineCore:
         """Drafts for a decoding request's next step, as many as its acceptance and the batch
         size warrant, never past max_tokens or the context."""
         assert self.proposer is not None
-        if req.params.logprobs is not None or req.num_tokens - req.num_computed_tokens != 1:
-            return []  # logprobs are not computed for verified tokens yet
+        # Logprobs are not computed for verified tokens yet; a prefill chunk has no drafts.
+        if not req.speculative or req.params.logprobs is not None:
+            return []
+        if req.num_tokens - req.num_computed_tokens != 1:
+            return []
         room = min(
             req.params.max_tokens - len(req.output_token_ids),
             self.max_model_len - req.num_tokens,

@@ -57,6 +57,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    speculative: bool = True  # False: this request never gets drafts
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     spec_acceptance: float = INITIAL_ACCEPTANCE  # moving average of the draft acceptance rate
 

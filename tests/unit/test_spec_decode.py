@@ -63,6 +63,19 @@ def test_greedy_output_equals_plain_decoding(tiny_llama_path: Path, budget: int)
     assert drafted > 0 and 0 < accepted <= drafted
 
 
+def test_a_request_can_opt_out_of_speculation(tiny_llama_path: Path) -> None:
+    engine = make(tiny_llama_path, NGRAM)
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    batch = prompts(4, [30, 30])
+    on = engine.add_request("on", batch[0], greedy)
+    off = engine.add_request("off", batch[1], greedy, speculative=False)
+    while engine.has_unfinished():
+        engine.step()
+    assert on.metrics.num_draft_tokens > 0
+    assert off.metrics.num_draft_tokens == 0
+    assert off.output_token_ids == run(make(tiny_llama_path), batch[1:], greedy)[0]
+
+
 def test_blocks_stay_consistent_through_accepts_and_rejects(tiny_llama_path: Path) -> None:
     engine = make(tiny_llama_path, NGRAM)
     params = SamplingParams(max_tokens=60, temperature=1.0, seed=3, ignore_eos=True)
