@@ -105,9 +105,10 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
 class AdminServicer(admin_pb2_grpc.AdminServicer):
     """Needs `authorization: Bearer <token>` when the router has an admin token."""
 
-    def __init__(self, router: Router, token: str | None) -> None:
+    def __init__(self, router: Router, token: str | None, controller: Any = None) -> None:
         self.router = router
         self.token = token
+        self.controller = controller  # the Ray pool controller's actor handle, if any
 
     async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
         if self.token is None:
@@ -144,28 +145,37 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ScaleResponse:
         await self._authorize(context)
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "scaling needs the Ray cluster controller"
-        )
-        return admin_pb2.ScaleResponse()
+        if self.controller is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "scaling needs the Ray cluster controller"
+            )
+        prefill = request.prefill if request.HasField("prefill") else None
+        decode = request.decode if request.HasField("decode") else None
+        sizes = await self.controller.scale.remote(prefill, decode)
+        return admin_pb2.ScaleResponse(prefill=sizes["prefill"], decode=sizes["decode"])
 
     async def Drain(
         self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.DrainResponse:
         await self._authorize(context)
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED, "draining by RPC needs the Ray cluster controller"
-        )
+        if self.controller is None:
+            await context.abort(
+                grpc.StatusCode.UNIMPLEMENTED, "draining by RPC needs the Ray cluster controller"
+            )
+        if not await self.controller.drain.remote(request.worker_id):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no serving worker {request.worker_id}")
         return admin_pb2.DrainResponse()
 
 
 async def build_grpc_server(
-    router: Router, address: str, admin_token: str | None = None
+    router: Router, address: str, admin_token: str | None = None, controller: Any = None
 ) -> tuple[grpc.aio.Server, int]:
     """The router's gRPC server (public + admin + health + reflection), not yet started."""
     server = grpc.aio.server()
     api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(router), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, admin_token), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(
+        AdminServicer(router, admin_token, controller), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.core import Delta, Prepared, Router
-from router.errors import RouterError, invalid
+from router.errors import ErrorKind, RouterError, invalid
 from router.metrics import RouterMetrics
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -111,9 +111,37 @@ def error_response(e: RouterError) -> JSONResponse:
     return JSONResponse(error_body(e), status_code=e.kind.http_status, headers=headers)
 
 
-def build_app(router: Router, metrics: RouterMetrics | None = None) -> FastAPI:
+class ScaleRequest(BaseModel):
+    prefill: int | None = Field(default=None, ge=0)
+    decode: int | None = Field(default=None, ge=0)
+
+
+def build_app(
+    router: Router,
+    metrics: RouterMetrics | None = None,
+    admin_token: str | None = None,
+    controller: Any = None,
+) -> FastAPI:
     app = FastAPI(title="Tandem", version="1")
     metrics = metrics or RouterMetrics(router)
+
+    def authorize(request: Request) -> None:
+        if admin_token is not None and (
+            request.headers.get("authorization") != f"Bearer {admin_token}"
+        ):
+            raise RouterError(ErrorKind.UNAUTHORIZED, "admin token required")
+
+    @app.get("/admin/workers")
+    async def admin_workers(request: Request) -> dict[str, Any]:
+        authorize(request)
+        return {"workers": [w.__dict__ for w in router.snapshot.workers()]}
+
+    @app.post("/admin/scale")
+    async def admin_scale(request: Request, body: ScaleRequest) -> dict[str, int]:
+        authorize(request)
+        if controller is None:
+            raise RouterError(ErrorKind.UNIMPLEMENTED, "scaling needs the Ray cluster controller")
+        return dict(await controller.scale.remote(body.prefill, body.decode))
 
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

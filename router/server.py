@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 
@@ -38,8 +39,10 @@ class RouterServer:
         grpc_port: int = 50051,
         admin_token: str | None = None,
         refresh_s: float = 0.25,
+        controller: Any = None,
     ) -> None:
         self.config = config
+        self.controller = controller  # Ray pool controller: enables the admin Scale/Drain
         self.registry = Registry(registry_url)
         self.snapshot = RegistrySnapshot(self.registry, refresh_s=refresh_s)
         self.host = host
@@ -72,10 +75,10 @@ class RouterServer:
     async def _serve(self) -> None:
         self.router = Router(self.config, self.snapshot)
         grpc_server, grpc_port = await build_grpc_server(
-            self.router, f"{self.host}:{self._grpc_port}", self.admin_token
+            self.router, f"{self.host}:{self._grpc_port}", self.admin_token, self.controller
         )
         await grpc_server.start()
-        app = build_app(self.router)
+        app = build_app(self.router, admin_token=self.admin_token, controller=self.controller)
         config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         http_port = self._http_socket.getsockname()[1]

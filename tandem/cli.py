@@ -116,38 +116,57 @@ def serve(
     model: ModelOpt = DEFAULT_MODEL,
     prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
     decode: Annotated[int, typer.Option(help="Decode workers.")] = 1,
-    ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Workers on Ray.")] = False,
+    ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Pools on Ray.")] = True,
+    address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,
     redis: Annotated[str | None, typer.Option(help="redis:// URL; default: embedded.")] = None,
     host: str = "127.0.0.1",
     http_port: int = 8000,
     grpc_port: int = 50051,
     spec: Annotated[str | None, typer.Option(help="Speculative decoding on D: ngram.")] = None,
     dtype: DtypeOpt = "float32",
+    autoscale: Annotated[bool, typer.Option(help="SLO autoscaler (Ray only).")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
+    admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
     demo: Annotated[bool, typer.Option(help="Answer one request, then keep serving.")] = True,
 ) -> None:
-    """Start the local cluster: registry, router, prefill and decode workers."""
+    """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
+    from tandem.cluster.autoscaler import AutoscalerConfig
+    from tandem.cluster.ray_cluster import RayCluster
     from tandem.launcher import LocalCluster
 
+    cluster: RayCluster | LocalCluster
     if ray:
-        raise typer.BadParameter("the Ray-managed cluster is not built yet", param_hint="--ray")
-    worker_args = ["--dtype", dtype] + (["--spec", spec] if spec else [])
-    cluster = LocalCluster(
-        model, prefill, decode, redis, host, http_port, grpc_port, worker_args=worker_args
-    )
-    console.print(f"starting {prefill} prefill + {decode} decode workers on {model} ...")
-    address = cluster.start()
+        decode_engine = {"speculative": {"method": spec}} if spec else {}
+        cluster = RayCluster(
+            model, prefill, decode, address, redis, host, http_port, grpc_port,
+            engine={"dtype": dtype}, decode_engine=decode_engine,
+            autoscale=AutoscalerConfig() if autoscale else None, dry_run=dry_run,
+            admin_token=admin_token,
+        )  # fmt: skip
+    else:
+        worker_args = ["--dtype", dtype] + (["--spec", spec] if spec else [])
+        cluster = LocalCluster(
+            model, prefill, decode, redis, host, http_port, grpc_port, worker_args=worker_args,
+            admin_token=admin_token,
+        )  # fmt: skip
+    where = "Ray" if ray else "local processes"
+    console.print(f"starting {prefill} prefill + {decode} decode workers of {model} on {where}")
+    address_ = cluster.start()
     try:
-        console.print(f"[green]ready[/green]  HTTP {address.http_url}  gRPC {address.grpc_target}")
         console.print(
-            f"  curl {address.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"[green]ready[/green]  HTTP {address_.http_url}  gRPC {address_.grpc_target}"
+        )
+        console.print(
+            f"  curl {address_.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
             f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}'"""
         )
         console.print(
-            f'  grpcurl -plaintext -d \'{{"prompt": "Hi"}}\' {address.grpc_target} '
+            f'  grpcurl -plaintext -d \'{{"prompt": "Hi"}}\' {address_.grpc_target} '
             "tandem.v1.Tandem/Generate"
         )
+        console.print(f"  tandem status --router {address_.grpc_target}")
         if demo:
-            _demo_request(address.http_url, model)
+            _demo_request(address_.http_url, model)
         console.print("[dim]serving; Ctrl-C stops[/dim]")
         assert cluster.router_server is not None
         cluster.router_server.wait()
@@ -155,6 +174,78 @@ def serve(
         pass
     finally:
         cluster.stop()
+
+
+RouterOpt = Annotated[str, typer.Option(help="The router's gRPC address.")]
+TokenOpt = Annotated[str | None, typer.Option(help="Admin token.")]
+
+
+def _admin(router: str, token: str | None) -> tuple[Any, list[tuple[str, str]]]:
+    import grpc
+
+    from tandem.v1 import admin_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(router)), metadata
+
+
+def _admin_call(fn: Any, request: Any, metadata: list[tuple[str, str]]) -> Any:
+    import grpc
+
+    try:
+        return fn(request, metadata=metadata, timeout=30)
+    except grpc.RpcError as e:
+        console.print(f"[red]{e.code().name}:[/red] {e.details()}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def scale(
+    prefill: Annotated[int | None, typer.Option(help="Prefill pool size.")] = None,
+    decode: Annotated[int | None, typer.Option(help="Decode pool size.")] = None,
+    router: RouterOpt = "127.0.0.1:50051",
+    token: TokenOpt = None,
+) -> None:
+    """Set the size of the prefill and/or decode pool (scale-down drains)."""
+    from tandem.v1 import admin_pb2
+
+    stub, metadata = _admin(router, token)
+    reply = _admin_call(
+        stub.Scale, admin_pb2.ScaleRequest(prefill=prefill, decode=decode), metadata
+    )
+    console.print(f"desired: {reply.prefill} prefill, {reply.decode} decode")
+
+
+@app.command()
+def status(router: RouterOpt = "127.0.0.1:50051", token: TokenOpt = None) -> None:
+    """The workers of the cluster: role, endpoint, load, KV usage."""
+    from tandem.v1 import admin_pb2
+
+    stub, metadata = _admin(router, token)
+    reply = _admin_call(stub.ListWorkers, admin_pb2.ListWorkersRequest(), metadata)
+    table = Table("worker", "role", "endpoint", "running", "waiting", "KV used", "state", "beat")
+    for w in sorted(reply.workers, key=lambda w: (w.role, w.worker_id)):
+        used = 1 - w.kv_blocks_free / w.kv_blocks_total if w.kv_blocks_total else 0.0
+        state = "draining" if w.draining else "serving"
+        table.add_row(
+            w.worker_id, w.role, w.endpoint, str(w.running), str(w.waiting), f"{used:.0%}",
+            state, f"{w.heartbeat_age_s:.1f}s ago",
+        )  # fmt: skip
+    console.print(table)
+
+
+@app.command()
+def drain(
+    worker: Annotated[str, typer.Argument(help="Worker id (see `tandem status`).")],
+    router: RouterOpt = "127.0.0.1:50051",
+    token: TokenOpt = None,
+) -> None:
+    """Drain one worker: it finishes its requests and leaves; the pool replaces it."""
+    from tandem.v1 import admin_pb2
+
+    stub, metadata = _admin(router, token)
+    _admin_call(stub.Drain, admin_pb2.DrainRequest(worker_id=worker), metadata)
+    console.print(f"draining {worker}")
 
 
 def _demo_request(http_url: str, model: str) -> None:

@@ -1,0 +1,322 @@
+"""Prefill and decode pools as Ray actors, and the controller that sizes them.
+
+Each worker is a Ray actor (`WorkerActor`) running a complete worker server (gRPC, engine loop,
+KV endpoint, metrics, registration), placed in its own placement group: a GPU bundle set on GPU
+nodes (`{"GPU": 1}` per tensor-parallel rank), a CPU bundle on CPU-only machines. Routers find
+workers through the registry, not through Ray.
+
+The controller keeps each pool at its desired size. A worker slot's life:
+
+    starting (placement group reserved, actor loading the model) -> serving (answers pings)
+      -> dead (actor gone or 3 missed pings): killed, placement group freed, replaced
+      -> draining (scale-down): the worker stops taking work, finishes what it has, deregisters;
+         then its actor and placement group go
+
+`reconcile()` does one pass (tests call it directly); the Ray actor `ControllerActor` runs it
+every `interval_s` on a thread, and optionally feeds the SLO autoscaler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tandem.cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision
+from tandem.cluster.signals import ClusterSignals
+from tandem.config import EngineConfig
+from tandem.registry import Registry
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode")
+CONTROLLER_NAME = "tandem-controller"
+NAMESPACE = "tandem"
+MISSED_PINGS = 3
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: int = 0  # tensor-parallel size on GPU nodes; 0 = CPU workers
+    strategy: str = "PACK"  # placement within a worker's bundle set
+
+    def bundles(self) -> list[dict[str, float]]:
+        if self.gpus_per_worker:
+            first = {"GPU": 1.0, "CPU": self.cpus_per_worker}
+            return [first] + [{"GPU": 1.0}] * (self.gpus_per_worker - 1)
+        return [{"CPU": self.cpus_per_worker}]
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    registry_url: str
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig.create options
+    decode_engine: dict[str, Any] = field(default_factory=dict)  # e.g. {"speculative": ...}
+    host: str = "127.0.0.1"
+    heartbeat_ttl_s: float = 3.0
+    drain_timeout_s: float = 60.0
+    prefill: PoolSpec = field(default_factory=PoolSpec)
+    decode: PoolSpec = field(default_factory=PoolSpec)
+
+    def pool(self, role: str) -> PoolSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+
+class WorkerActor:
+    """One worker server inside a Ray actor process."""
+
+    def __init__(self, role: str, spec: ClusterSpec) -> None:
+        options = dict(spec.engine)
+        if role == "decode":
+            options.update(spec.decode_engine)
+        speculative = options.pop("speculative", None)
+        config = EngineConfig.create(spec.model, speculative, **options)
+        if role == "prefill":
+            from prefill_worker.server import build_server as build_prefill
+
+            self.server = build_prefill(
+                config, spec.host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
+            )
+        else:
+            from decode_worker.server import build_server as build_decode
+
+            self.server = build_decode(
+                config, spec.host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
+            )
+
+    def info(self) -> dict[str, str]:
+        return {"worker_id": self.server.worker_id, "endpoint": self.server.endpoint}
+
+    def ping(self) -> bool:
+        return True
+
+    def drain(self, timeout_s: float) -> None:
+        self.server.drain(timeout_s)
+
+
+@dataclass
+class _Slot:
+    role: str
+    actor: Any
+    pg: PlacementGroup
+    ready: Any  # ObjectRef of info()
+    worker_id: str = ""
+    state: str = "starting"  # starting | serving | draining
+    missed: int = 0
+    drained: Any = None  # ObjectRef of drain()
+    created: float = field(default_factory=time.monotonic)
+
+
+class PoolController:
+    def __init__(self, spec: ClusterSpec, prefill: int = 1, decode: int = 1) -> None:
+        self.spec = spec
+        self.desired = {"prefill": prefill, "decode": decode}
+        self.slots: list[_Slot] = []
+        self.replaced = 0
+        self._lock = threading.RLock()
+        self._actor_class = ray.remote(max_concurrency=4)(WorkerActor)  # type: ignore[call-overload]
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict[str, int]:
+        with self._lock:
+            for role, n in (("prefill", prefill), ("decode", decode)):
+                if n is not None:
+                    if n < 0:
+                        raise ValueError(f"{role} must be >= 0, got {n}")
+                    self.desired[role] = n
+            return dict(self.desired)
+
+    def drain(self, worker_id: str) -> bool:
+        """Drain one worker; the pool then starts a replacement to stay at its size."""
+        with self._lock:
+            for slot in self.slots:
+                if slot.worker_id == worker_id and slot.state == "serving":
+                    self._start_drain(slot)
+                    return True
+        return False
+
+    def status(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [
+                {
+                    "role": s.role,
+                    "worker_id": s.worker_id,
+                    "state": s.state,
+                    "age_s": time.monotonic() - s.created,
+                }
+                for s in self.slots
+            ]
+
+    def apply(self, decision: Decision) -> None:
+        self.scale(**{decision.pool: decision.target})
+
+    # -- one pass -----------------------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        with self._lock:
+            for slot in list(self.slots):
+                self._check(slot)
+            for role in ROLES:
+                active = [s for s in self.slots if s.role == role and s.state != "draining"]
+                for _ in range(self.desired[role] - len(active)):
+                    self.slots.append(self._start(role))
+                extra = len(active) - self.desired[role]
+                # Drain the newest first: still starting ones cost nothing to stop.
+                for slot in sorted(active, key=lambda s: s.created, reverse=True)[: max(extra, 0)]:
+                    self._start_drain(slot)
+
+    def _start(self, role: str) -> _Slot:
+        pool = self.spec.pool(role)
+        pg = placement_group(
+            pool.bundles(), strategy=pool.strategy, name=f"tandem-{role}-{uuid.uuid4().hex[:8]}"
+        )
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+        actor = self._actor_class.options(
+            num_cpus=pool.cpus_per_worker,
+            num_gpus=1 if pool.gpus_per_worker else 0,
+            scheduling_strategy=strategy,
+        ).remote(role, self.spec)
+        log.info("starting a %s worker", role)
+        return _Slot(role, actor, pg, actor.info.remote())
+
+    def _check(self, slot: _Slot) -> None:
+        if slot.state == "starting":
+            done, _ = ray.wait([slot.ready], timeout=0)
+            if done:
+                try:
+                    slot.worker_id = ray.get(slot.ready)["worker_id"]
+                    slot.state = "serving"
+                except Exception as e:  # the actor died while loading
+                    log.warning("%s worker failed to start: %s", slot.role, e)
+                    self._remove(slot, replaced=True)
+            return
+        if slot.state == "draining":
+            done, _ = ray.wait([slot.drained], timeout=0)
+            if done:
+                self._remove(slot)
+            return
+        ping = slot.actor.ping.remote()
+        done, _ = ray.wait([ping], timeout=2.0)
+        try:
+            if done:
+                ray.get(ping)
+                slot.missed = 0
+                return
+            slot.missed += 1
+        except Exception as e:
+            log.warning("worker %s is dead: %s", slot.worker_id, e)
+            slot.missed = MISSED_PINGS
+        if slot.missed >= MISSED_PINGS:
+            self._remove(slot, replaced=True)
+
+    def _start_drain(self, slot: _Slot) -> None:
+        if slot.state == "starting":
+            self._remove(slot)
+            return
+        log.info("draining %s", slot.worker_id)
+        slot.state = "draining"
+        slot.drained = slot.actor.drain.remote(self.spec.drain_timeout_s)
+
+    def _remove(self, slot: _Slot, replaced: bool = False) -> None:
+        ray.kill(slot.actor, no_restart=True)
+        remove_placement_group(slot.pg)
+        self.slots.remove(slot)
+        if replaced:
+            self.replaced += 1
+
+
+class ControllerLoop(PoolController):
+    """The controller as a Ray actor: reconciles on a thread; optionally autoscales."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        prefill: int = 1,
+        decode: int = 1,
+        interval_s: float = 1.0,
+        autoscale: AutoscalerConfig | None = None,
+        dry_run: bool = False,
+    ) -> None:
+        super().__init__(spec, prefill, decode)
+        self.interval_s = interval_s
+        self.autoscaler = Autoscaler(autoscale) if autoscale is not None else None
+        self.dry_run = dry_run
+        self.decisions: list[Decision] = []
+        self._signals = (
+            ClusterSignals(Registry(spec.registry_url), spec.model)
+            if autoscale is not None
+            else None
+        )
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.reconcile()
+                self._autoscale()
+            except Exception:
+                log.exception("reconcile failed")
+
+    def _autoscale(self) -> None:
+        if self.autoscaler is None or self._signals is None:
+            return
+        for decision in self.autoscaler.observe(self._signals.observe()):
+            log.info(
+                "autoscaler%s: %s %d -> %d (%s) inputs=%s",
+                " (dry run)" if self.dry_run else "",
+                decision.pool,
+                decision.current,
+                decision.target,
+                decision.reason,
+                decision.inputs,
+            )
+            self.decisions.append(decision)
+            if not self.dry_run:
+                self.apply(decision)
+
+    def ready(self) -> bool:
+        """True once every pool has its desired number of serving workers."""
+        with self._lock:
+            for role in ROLES:
+                states = [s.state for s in self.slots if s.role == role]
+                if states != ["serving"] * self.desired[role]:
+                    return False
+            return True
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+        with self._lock:
+            for slot in list(self.slots):
+                self._remove(slot)
+
+
+def start_controller(
+    spec: ClusterSpec,
+    prefill: int,
+    decode: int,
+    autoscale: AutoscalerConfig | None = None,
+    dry_run: bool = False,
+    interval_s: float = 1.0,
+) -> Any:
+    """The named controller actor (one per Ray namespace)."""
+    actor_class = ray.remote(num_cpus=0, max_concurrency=8)(ControllerLoop)  # type: ignore[call-overload]
+    return actor_class.options(name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime=None).remote(
+        spec, prefill, decode, interval_s, autoscale, dry_run
+    )
+
+
+def get_controller() -> Any:
+    return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
