@@ -212,7 +212,6 @@ class Router:
             raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
         keys = [prefix_key(h) for h in block_hashes(prep.prompt_token_ids, self.config.block_size)]
         ctx = PickContext(keys, self.inflight)
-        d = self.decode_policy.pick(decodes, ctx)
         prefills = self._live("prefill")
         local = len(prep.prompt_token_ids) <= self.config.local_prefill_tokens or not prefills
         p = None if local else self.prefill_policy.pick(prefills, ctx)
@@ -230,6 +229,7 @@ class Router:
             prep.params.stop_strings,
             prep.params.skip_special_tokens,
         )
+        d, call, ticket = await self._open_decode(decodes, ctx, wreq, local, prep)
         timings: dict[str, Any] = {
             "queue_s": dispatched - prep.arrival,
             "decode_worker": d.worker_id,
@@ -239,10 +239,8 @@ class Router:
         first_token_time: float | None = None
         go_local = asyncio.Event()
         self.inflight[d.worker_id] += 1
-        call = self._decode_call(d, wreq, local, prep)
         prefill_task: asyncio.Task[None] | None = None
         try:
-            ticket = await self._read_ticket(call, d)
             if p is not None:
                 prefill_task = asyncio.create_task(
                     self._prefill(wreq, ticket, p, prep, timings, go_local)
@@ -317,6 +315,30 @@ class Router:
         return Delta(
             tokens, "", [], reason, len(prep.prompt_token_ids), completion, timings=timings
         )
+
+    async def _open_decode(
+        self,
+        decodes: list[WorkerRecord],
+        ctx: PickContext,
+        wreq: wpb.WorkerRequest,
+        local: bool,
+        prep: Prepared,
+    ) -> tuple[WorkerRecord, Any, Any]:
+        """Open Decode on a picked worker and read its ticket. A worker that is unreachable or
+        draining (UNAVAILABLE before any token) is skipped once, for another one."""
+        tried: set[str] = set()
+        while True:
+            d = self.decode_policy.pick([w for w in decodes if w.worker_id not in tried], ctx)
+            call = self._decode_call(d, wreq, local, prep)
+            try:
+                return d, call, await self._read_ticket(call, d)
+            except grpc.aio.AioRpcError as e:
+                call.cancel()
+                tried.add(d.worker_id)
+                retry = len(tried) < 2 and any(w.worker_id not in tried for w in decodes)
+                if e.code() != grpc.StatusCode.UNAVAILABLE or not retry:
+                    raise self._worker_error(e, d) from None
+                self.snapshot.mark_down(d.worker_id, MARK_DOWN_S)
 
     def _decode_call(
         self, d: WorkerRecord, wreq: wpb.WorkerRequest, local: bool, prep: Prepared

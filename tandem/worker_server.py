@@ -2,8 +2,8 @@
 Prometheus `/metrics` endpoint, the Redis registration with a TTL heartbeat, and draining.
 
 Lifecycle: start -> SERVING (registered, heartbeat every ttl/3) -> SIGTERM or `drain()`:
-NOT_SERVING, `draining` published (routers stop sending), in-flight requests finish (up to
-`drain_timeout_s`) -> deregistered -> stopped.
+NOT_SERVING, `draining` published (routers stop sending) -> after a grace, new work refused ->
+in-flight requests finish (up to the drain timeout) -> deregistered -> stopped.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ class WorkerServer:
         self.metrics.register(_Collector(worker_metrics(role, worker)))
         worker.on_finished = LatencyHistograms(self.metrics).observe
         self.service_names = service_names
+        self.draining = False  # published; the worker refuses new work a grace period later
         self.started_at = time.time()
         self._stop = threading.Event()
         self.server = grpc.server(
@@ -219,7 +220,7 @@ class WorkerServer:
             kv_blocks_free=kv.num_free_blocks,
             running=len(sched.running) + len(sched.parked),
             waiting=len(sched.waiting),
-            draining=self.worker.draining,
+            draining=self.draining,
             prefix_hashes=tuple(kv.cached_hash_summary(PREFIX_SUMMARY_SIZE)),
             started_at=self.started_at,
             heartbeat_at=time.time(),
@@ -233,15 +234,19 @@ class WorkerServer:
             except Exception as e:  # Redis blip: keep serving, retry next beat
                 log.warning("heartbeat failed: %s", e)
 
-    def drain(self, timeout_s: float = 30.0) -> None:
-        """Stop taking work, let in-flight requests finish, deregister, stop."""
-        self.worker.draining = True
+    def drain(self, timeout_s: float = 30.0, grace_s: float = 1.0) -> None:
+        """Publish `draining` (routers stop picking this worker), keep accepting for `grace_s`
+        while their snapshots catch up, then refuse new work, let in-flight requests finish
+        (up to `timeout_s`), deregister and stop."""
+        self.draining = True
         self.health.enter_graceful_shutdown()
         if self.registry is not None:
             try:
                 self.registry.heartbeat(self.record(), self.ttl_s)
             except Exception as e:
                 log.warning("could not publish draining: %s", e)
+        time.sleep(grace_s)
+        self.worker.draining = True
         deadline = time.monotonic() + timeout_s
         while self.worker.num_in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
