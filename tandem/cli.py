@@ -128,18 +128,34 @@ def serve(
     dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
     admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
     demo: Annotated[bool, typer.Option(help="Answer one request, then keep serving.")] = True,
+    gpus_per_worker: Annotated[int, typer.Option(help="GPU bundles per worker (0: CPU).")] = 0,
+    cpus_per_worker: Annotated[float, typer.Option(help="CPUs reserved per worker.")] = 1.0,
+    pin_pools: Annotated[
+        bool, typer.Option(help="Place pools on nodes with tandem_prefill/tandem_decode.")
+    ] = False,
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.autoscaler import AutoscalerConfig
+    from tandem.cluster.pools import PoolSpec
     from tandem.cluster.ray_cluster import RayCluster
     from tandem.launcher import LocalCluster
 
     cluster: RayCluster | LocalCluster
     if ray:
         decode_engine = {"speculative": {"method": spec}} if spec else {}
+        pools = {
+            role: PoolSpec(
+                cpus_per_worker,
+                gpus_per_worker,
+                resources={f"tandem_{role}": 1.0} if pin_pools else {},
+            )
+            for role in ("prefill", "decode")
+        }
+        device = "cuda" if gpus_per_worker else "cpu"
         cluster = RayCluster(
             model, prefill, decode, address, redis, host, http_port, grpc_port,
-            engine={"dtype": dtype}, decode_engine=decode_engine,
+            engine={"dtype": dtype, "device": device}, decode_engine=decode_engine,
+            prefill_pool=pools["prefill"], decode_pool=pools["decode"],
             autoscale=AutoscalerConfig() if autoscale else None, dry_run=dry_run,
             admin_token=admin_token,
         )  # fmt: skip
@@ -174,6 +190,53 @@ def serve(
         pass
     finally:
         cluster.stop()
+
+
+@app.command("router")
+def router_cmd(
+    model: ModelOpt = DEFAULT_MODEL,
+    redis: Annotated[
+        str, typer.Option(help="Registry URL (redis://...).")
+    ] = "redis://127.0.0.1:6379",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "0.0.0.0",
+    http_port: int = 8000,
+    grpc_port: int = 50051,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster (e.g. ray://head:10001) for Scale/Drain.")
+    ] = None,
+    admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
+    prefill_policy: str = "prefix_aware",
+    decode_policy: str = "least_loaded",
+    local_prefill_tokens: int = 32,
+) -> None:
+    """Run only the router (its own process or Kubernetes Deployment); workers come from the
+    registry."""
+    from router.core import RouterConfig
+    from router.server import RouterServer
+
+    controller = None
+    if ray_address:
+        import ray
+
+        from tandem.cluster.pools import get_controller
+
+        ray.init(ray_address)
+        controller = get_controller()
+    config = RouterConfig(
+        model,
+        prefill_policy=prefill_policy,
+        decode_policy=decode_policy,
+        local_prefill_tokens=local_prefill_tokens,
+    )
+    server = RouterServer(
+        config, redis, host, http_port, grpc_port, admin_token, controller=controller
+    )
+    address = server.start()
+    console.print(f"router: HTTP {address.http_url}  gRPC {address.grpc_target}")
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
 
 
 RouterOpt = Annotated[str, typer.Option(help="The router's gRPC address.")]

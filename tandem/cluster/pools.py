@@ -47,12 +47,15 @@ class PoolSpec:
     cpus_per_worker: float = 1.0
     gpus_per_worker: int = 0  # tensor-parallel size on GPU nodes; 0 = CPU workers
     strategy: str = "PACK"  # placement within a worker's bundle set
+    # Custom Ray resources a worker needs, e.g. {"tandem_prefill": 1} to keep it on the nodes of
+    # the KubeRay worker group that advertises that resource.
+    resources: dict[str, float] = field(default_factory=dict)
 
     def bundles(self) -> list[dict[str, float]]:
         if self.gpus_per_worker:
-            first = {"GPU": 1.0, "CPU": self.cpus_per_worker}
+            first = {"GPU": 1.0, "CPU": self.cpus_per_worker, **self.resources}
             return [first] + [{"GPU": 1.0}] * (self.gpus_per_worker - 1)
-        return [{"CPU": self.cpus_per_worker}]
+        return [{"CPU": self.cpus_per_worker, **self.resources}]
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class PoolController:
         actor = self._actor_class.options(
             num_cpus=pool.cpus_per_worker,
             num_gpus=1 if pool.gpus_per_worker else 0,
+            resources=pool.resources,
             scheduling_strategy=strategy,
         ).remote(role, self.spec)
         log.info("starting a %s worker", role)
