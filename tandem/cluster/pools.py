@@ -160,6 +160,11 @@ class PoolController:
                 for s in self.slots
             ]
 
+    def worker_actor(self, worker_id: str) -> Any:
+        """The actor handle of a worker (for operators' tooling and fault-injection tests)."""
+        with self._lock:
+            return next((s.actor for s in self.slots if s.worker_id == worker_id), None)
+
     def apply(self, decision: Decision) -> None:
         self.scale(**{decision.pool: decision.target})
 
