@@ -136,6 +136,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     kv_blocks_free=w.kv_blocks_free,
                     draining=w.draining,
                     heartbeat_age_s=now - w.heartbeat_at,
+                    metrics_url=w.metrics_url,
                 )
                 for w in self.router.snapshot.workers()
             ]

@@ -282,19 +282,30 @@ def scale(
 @app.command()
 def status(router: RouterOpt = "127.0.0.1:50051", token: TokenOpt = None) -> None:
     """The workers of the cluster: role, endpoint, load, KV usage."""
+    from tandem.cluster.signals import worker_summary
     from tandem.v1 import admin_pb2
 
     stub, metadata = _admin(router, token)
     reply = _admin_call(stub.ListWorkers, admin_pb2.ListWorkersRequest(), metadata)
-    table = Table("worker", "role", "endpoint", "running", "waiting", "KV used", "state", "beat")
+    table = Table(
+        "worker", "role", "endpoint", "running", "waiting", "KV used", "p50 TTFT", "p50 TPOT",
+        "accept", "state", "beat",
+    )  # fmt: skip
     for w in sorted(reply.workers, key=lambda w: (w.role, w.worker_id)):
         used = 1 - w.kv_blocks_free / w.kv_blocks_total if w.kv_blocks_total else 0.0
         state = "draining" if w.draining else "serving"
+        s = worker_summary(w.metrics_url)
         table.add_row(
             w.worker_id, w.role, w.endpoint, str(w.running), str(w.waiting), f"{used:.0%}",
+            _ms(s.get("ttft_p50")), _ms(s.get("tpot_p50")),
+            f"{s['acceptance']:.0%}" if s.get("acceptance") is not None else "-",
             state, f"{w.heartbeat_age_s:.1f}s ago",
         )  # fmt: skip
     console.print(table)
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds is not None else "-"
 
 
 @app.command()

@@ -99,3 +99,25 @@ class ClusterSignals:
             prefill_queue=sum(w.waiting for w in prefill),
             decode_kv_usage=sum(usage) / len(usage) if usage else 0.0,
         )
+
+
+def worker_summary(metrics_url: str, timeout_s: float = 1.0) -> dict[str, float | None]:
+    """A worker's p50 TTFT and TPOT since it started and its draft acceptance rate, read from
+    its /metrics (empty when it cannot be reached)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+            text = response.read().decode()
+    except (OSError, ValueError):
+        return {}
+    accepted = drafted = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tandem_spec_accepted_tokens_total":
+                accepted += sample.value
+            elif sample.name == "tandem_spec_draft_tokens_total":
+                drafted += sample.value
+    return {
+        "ttft_p50": quantile(histogram_buckets(text, "tandem_worker_ttft_seconds"), 0.5),
+        "tpot_p50": quantile(histogram_buckets(text, "tandem_worker_tpot_seconds"), 0.5),
+        "acceptance": accepted / drafted if drafted else None,
+    }

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "endpoint", "kv_endpoint", "model", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "draining", "heartbeat_age_s")
+    __slots__ = ("worker_id", "role", "endpoint", "kv_endpoint", "model", "running", "waiting", "kv_blocks_total", "kv_blocks_free", "draining", "heartbeat_age_s", "metrics_url")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class WorkerInfo(_message.Message):
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    METRICS_URL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     endpoint: str
@@ -30,7 +31,8 @@ class WorkerInfo(_message.Message):
     kv_blocks_free: int
     draining: bool
     heartbeat_age_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., endpoint: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    metrics_url: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., endpoint: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., model: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., draining: _Optional[bool] = ..., heartbeat_age_s: _Optional[float] = ..., metrics_url: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
