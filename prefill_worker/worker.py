@@ -86,6 +86,12 @@ class PrefillWorker(EngineLoop):
         submitted = time.monotonic()
 
         def add() -> None:
+            # A ticket for another prompt: a longer one would map slots past the prompt's blocks
+            # and kill the loop thread in the middle of a step, a shorter one send a truncated KV.
+            if ticket.num_tokens != len(prompt_token_ids):
+                n, m = ticket.num_tokens, len(prompt_token_ids)
+                result.set_exception(ValueError(f"ticket is for {n} prompt tokens, prompt has {m}"))
+                return
             try:
                 self.engine.add_request(request_id, prompt_token_ids, params)
             except ValueError as e:

@@ -1,0 +1,246 @@
+"""kv_transfer's pure parts: slot mappings and layout conversion, the transfer state machine,
+tickets on the wire, and the fault-injecting plane."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kv_transfer import FailureCause, KVLayout, KVTicket, TransferError, TransferState
+from kv_transfer.fake import FaultyPlane, at_layer
+from kv_transfer.layout import as_bytes, from_bytes, gather_tokens, scatter_tokens, slot_mapping
+from kv_transfer.planes import DataPlane
+from kv_transfer.state import TransferStatus
+from tandem.v1 import kv_transfer_pb2 as pb
+
+CPU = torch.device("cpu")
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+
+
+def paged(num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One layer's zeroed cache [2, num_blocks, block_size, heads, dim]."""
+    return torch.zeros(2, num_blocks, block_size, 2, 8, dtype=dtype)
+
+
+# -- layout ------------------------------------------------------------------------------------
+
+
+def test_slot_mapping_follows_the_block_table() -> None:
+    slots = slot_mapping([7, 2, 5], block_size=4, num_tokens=10, device=CPU)
+    assert slots.tolist() == [28, 29, 30, 31, 8, 9, 10, 11, 20, 21]
+    assert slot_mapping([3], block_size=4, num_tokens=0, device=CPU).tolist() == []
+
+
+def test_gather_then_scatter_across_block_sizes_round_trips() -> None:
+    n = 11
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(2, 8, 4, 2, 8, generator=g)  # block size 4
+    src_slots = slot_mapping([6, 1, 3], 4, n, CPU)
+    wire = gather_tokens(src, src_slots)
+    assert wire.shape == (2, n, 2, 8) and wire.is_contiguous()
+    assert torch.equal(wire[:, 4], src[:, 1, 0])  # token 4 is the first of the second block
+
+    dst = paged(5, block_size=16)  # one bigger block holds them all
+    dst_slots = slot_mapping([2], 16, n, CPU)
+    scatter_tokens(dst, dst_slots, wire)
+    assert torch.equal(gather_tokens(dst, dst_slots), wire)
+    assert int(dst[:, 2, n:].count_nonzero()) == 0  # the block's tail stays untouched
+    assert int(dst[:, [0, 1, 3, 4]].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize(
+    "src, dst", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_scatter_casts_to_the_cache_dtype(src: torch.dtype, dst: torch.dtype) -> None:
+    wire = torch.randn(2, 5, 2, 8, generator=torch.Generator().manual_seed(1)).to(src)
+    cache = paged(2, block_size=4, dtype=dst)
+    slots = slot_mapping([1, 0], 4, 5, CPU)
+    scatter_tokens(cache, slots, wire)
+    assert torch.equal(gather_tokens(cache, slots), wire.to(dst))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bytes_round_trip(dtype: torch.dtype) -> None:
+    t = torch.randn(2, 3, 2, 8, generator=torch.Generator().manual_seed(2)).to(dtype)
+    data = as_bytes(t)
+    assert len(data) == t.numel() * t.element_size()
+    back = from_bytes(bytearray(data), dtype, tuple(t.shape))
+    assert back.dtype == dtype and torch.equal(back, t)
+    assert from_bytes(b"", dtype, (2, 0, 2, 8)).shape == (2, 0, 2, 8)
+
+
+def test_as_bytes_of_a_non_contiguous_tensor_is_its_values_in_order() -> None:
+    t = torch.arange(12, dtype=torch.float32).view(3, 4).t()
+    assert torch.equal(from_bytes(bytearray(as_bytes(t)), torch.float32, (4, 3)), t)
+
+
+# -- tickets and layouts -----------------------------------------------------------------------
+
+
+def test_layout_of_caches_and_its_wire_size() -> None:
+    caches = [paged(3, block_size=4, dtype=torch.bfloat16) for _ in range(2)]
+    layout = KVLayout.of(caches)
+    assert layout == KVLayout(2, 2, 8, 4, "bfloat16")
+    assert layout.layer_nbytes(5) == 2 * 5 * 2 * 8 * 2
+
+
+def test_layout_mismatch_allows_block_size_and_dtype_only() -> None:
+    assert LAYOUT.mismatch(KVLayout(2, 2, 8, 16, "bfloat16")) is None
+    assert (
+        LAYOUT.mismatch(KVLayout(3, 2, 8, 4, "float32")) == "num_layers: receiver has 2, sender 3"
+    )
+    assert "num_kv_heads" in (LAYOUT.mismatch(KVLayout(2, 4, 8, 4, "float32")) or "")
+    assert "head_dim" in (LAYOUT.mismatch(KVLayout(2, 2, 16, 4, "float32")) or "")
+
+
+def test_ticket_proto_round_trip() -> None:
+    ticket = KVTicket(
+        request_key="req-1",
+        endpoint="10.0.0.2:5555",
+        block_ids=(9, 0, 4),
+        layout=LAYOUT,
+        model_fingerprint="abc123",
+        num_tokens=11,
+        host_id="host/boot",
+        shm_path="/dev/shm/tandem-kv-x",
+        pair_store="10.0.0.2:6000",
+        timeout_s=2.5,
+    )
+    wire = ticket.to_proto().SerializeToString()
+    assert KVTicket.from_proto(pb.KVTicket.FromString(wire)) == ticket
+    minimal = KVTicket("r", "h:1", (), LAYOUT, "fp", 0)
+    assert KVTicket.from_proto(pb.KVTicket.FromString(minimal.to_proto().SerializeToString())) == (
+        minimal
+    )
+
+
+def test_a_ticket_with_an_unknown_dtype_is_refused() -> None:
+    msg = KVTicket("r", "h:1", (1,), LAYOUT, "fp", 1).to_proto()
+    msg.layout.dtype = "float8"
+    with pytest.raises(ValueError, match="float8"):
+        KVTicket.from_proto(msg)
+
+
+# -- the state machine -------------------------------------------------------------------------
+
+
+def far() -> TransferStatus:
+    return TransferStatus(deadline=float("inf"))
+
+
+def test_states_move_forward_to_success() -> None:
+    status = far()
+    assert status.state == TransferState.BOOTSTRAPPING
+    for state in (TransferState.WAITING_FOR_INPUT, TransferState.TRANSFERRING):
+        assert status.advance(state) and status.state == state
+        assert status.advance(state)  # staying put is allowed (every layer says Transferring)
+    assert status.advance(TransferState.SUCCESS)
+    assert status.state.final and status.error is None
+    assert status.wait(0) == TransferState.SUCCESS
+
+
+def test_bootstrapping_may_skip_waiting() -> None:
+    status = far()
+    assert status.advance(TransferState.TRANSFERRING)
+
+
+@pytest.mark.parametrize(
+    "path, bad",
+    [
+        ([TransferState.WAITING_FOR_INPUT], TransferState.BOOTSTRAPPING),
+        ([TransferState.TRANSFERRING], TransferState.WAITING_FOR_INPUT),
+        ([], TransferState.SUCCESS),  # success only after transferring
+        ([TransferState.WAITING_FOR_INPUT], TransferState.SUCCESS),
+    ],
+)
+def test_no_backwards_or_skipping_moves(path: list[TransferState], bad: TransferState) -> None:
+    status = far()
+    for state in path:
+        status.advance(state)
+    with pytest.raises(RuntimeError, match="cannot go"):
+        status.advance(bad)
+
+
+def test_fail_once_and_final_states_stay() -> None:
+    status = far()
+    status.advance(TransferState.TRANSFERRING)
+    first = TransferError(FailureCause.TIMEOUT, "late")
+    assert status.fail(first)
+    assert not status.fail(TransferError(FailureCause.PEER_LOST, "gone"))
+    assert status.state == TransferState.FAILED and status.error is first
+    assert not status.advance(TransferState.SUCCESS)  # final: no change, no error
+    assert status.state == TransferState.FAILED
+
+    done = far()
+    done.advance(TransferState.TRANSFERRING)
+    done.advance(TransferState.SUCCESS)
+    assert not done.fail(first)
+    assert done.state == TransferState.SUCCESS and done.error is None
+
+
+def test_wait_returns_when_another_thread_fails_it() -> None:
+    status = far()
+    threading.Timer(0.01, status.fail, [TransferError(FailureCause.CANCELLED, "x")]).start()
+    assert status.wait(5.0) == TransferState.FAILED
+
+
+def test_wait_defaults_to_the_deadline() -> None:
+    status = TransferStatus(deadline=0.0)  # long past
+    assert status.expired() and status.remaining() < 0
+    assert status.wait() == TransferState.BOOTSTRAPPING  # returns at once, still not final
+
+
+def test_retryable_causes() -> None:
+    retry = {c for c in FailureCause if TransferError(c, "").retryable}
+    assert retry == set(FailureCause) - {FailureCause.CANCELLED, FailureCause.BAD_METADATA}
+    assert "(timeout)" in str(TransferError(FailureCause.TIMEOUT, "slow"))
+
+
+# -- the fake ----------------------------------------------------------------------------------
+
+
+class ListPlane(DataPlane):
+    kind = pb.DATA_PLANE_GRPC
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+        self.flushed = False
+
+    def fill_header(self, header: pb.TransferHeader) -> None:
+        header.pair_id = "from-inner"
+
+    def send_layer(
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+    ) -> Iterator[pb.LayerChunk]:
+        self.sent.append(layer)
+        yield pb.LayerChunk(layer=layer)
+
+    def flush(self, timeout_s: float) -> None:
+        self.flushed = True
+
+
+def test_faulty_plane_runs_its_hook_before_the_inner_plane() -> None:
+    inner = ListPlane()
+    seen: list[tuple[int, list[int]]] = []
+    plane = FaultyPlane.around(lambda layer: seen.append((layer, list(inner.sent))))(inner)
+    assert plane.kind == inner.kind
+    header = pb.TransferHeader()
+    plane.fill_header(header)
+    assert header.pair_id == "from-inner"
+    cache, slots = paged(1, 4), torch.arange(2)
+    chunks = [c for layer in range(3) for c in plane.send_layer(layer, cache, slots)]
+    assert [c.layer for c in chunks] == [0, 1, 2]
+    assert seen == [(0, []), (1, [0]), (2, [0, 1])]
+    plane.flush(1.0)
+    assert inner.flushed
+
+
+def test_at_layer_fires_on_its_layer_only() -> None:
+    fired: list[int] = []
+    hook = at_layer(1, lambda: fired.append(1))
+    for layer in range(3):
+        hook(layer)
+    assert fired == [1]
