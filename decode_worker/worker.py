@@ -235,6 +235,19 @@ class DecodeWorker(EngineLoop):
         if stream is not None:
             stream.put(TokenChunk([], [], RequestStatus.FINISHED_ABORTED.value))
 
+    def fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.scheduler.requests):
+            self.receiver.cancel(request_id)
+            self.engine.abort(request_id)
+        for future in self._tickets.values():
+            future.set_exception(error)
+        for stream in self._streams.values():
+            stream.put(error)
+        self._tickets.clear()
+        self._streams.clear()
+        self._cancelling.clear()
+        self.role.local.clear()
+
     def close(self) -> None:
         self.stop()
         self.receiver.close()

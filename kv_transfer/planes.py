@@ -8,6 +8,7 @@ straight into the receiver's shared-memory blocks and yields a marker.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ from torch.distributed import Work
 from kv_transfer.layout import as_bytes, gather_tokens, scatter_tokens, slot_mapping
 from kv_transfer.pairs import Pair, wait_sent
 from kv_transfer.shm import SharedKVCache
+from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -29,9 +31,10 @@ class DataPlane(ABC):
 
     @abstractmethod
     def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
-        """Move the KV of `slots` in `cache` (one layer of the sender's cache) to the receiver.
+        """Move the KV of `slots` in `cache` (one layer of the sender's cache) to the receiver,
+        not after `deadline` (time.monotonic()) when writing into the receiver's memory.
 
         The sender's blocks may be released once this generator is exhausted."""
 
@@ -46,7 +49,7 @@ class GrpcPlane(DataPlane):
         self.chunk_bytes = chunk_bytes
 
     def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
         data = as_bytes(gather_tokens(cache, slots).cpu())  # [2, num_tokens, heads, dim]
         for offset in range(0, len(data), self.chunk_bytes):
@@ -67,7 +70,7 @@ class PairPlane(DataPlane):
         header.tag_base = self.tag_base
 
     def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
         tokens = gather_tokens(cache, slots)  # a copy: the blocks are free once this returns
         self._in_flight.append((self.pair.send(tokens, self.tag_base + layer), tokens))
@@ -89,8 +92,11 @@ class ShmPlane(DataPlane):
         )
 
     def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
-        dst = self.target.kv_caches[layer]
-        scatter_tokens(dst, self.dst_slots, gather_tokens(cache, slots))
+        tokens = gather_tokens(cache, slots)
+        # The fence: past the receiver's deadline its blocks may belong to another request.
+        if time.monotonic() >= deadline:
+            raise TransferError(FailureCause.TIMEOUT, "past the receiver's deadline: not writing")
+        scatter_tokens(self.target.kv_caches[layer], self.dst_slots, tokens)
         yield pb.LayerChunk(layer=layer)

@@ -80,7 +80,10 @@ class _Reservation:
         self.arrival = Arrival(ticket.request_key, TransferState.FAILED, None)
 
     def fail(self, cause: FailureCause, message: str) -> None:
-        if self.status.fail(TransferError(cause, message)):
+        self.fail_with(TransferError(cause, message))
+
+    def fail_with(self, error: TransferError) -> None:
+        if self.status.fail(error):
             self.stop_writes()
 
     def stop_writes(self) -> None:
@@ -252,7 +255,7 @@ class KVReceiver:
             daemon=True,
         )
         reader.start()
-        yield pb.PushReply(kind=pb.PushReply.ACCEPTED)
+        yield pb.PushReply(kind=pb.PushReply.ACCEPTED, remaining_s=res.status.remaining())
         while True:
             try:
                 item = res.replies.get(timeout=max(res.status.remaining(), 0.0))
@@ -278,15 +281,19 @@ class KVReceiver:
         try:
             reply = self._consume(res, header, layout, requests)
         except TransferError as e:
-            res.fail(e.cause, str(e))
+            res.fail_with(e)
             reply = (_STATUS_OF[e.cause], str(e))
+            if e.cause == FailureCause.PEER_LOST:
+                self._close_pair(header)
         except grpc.RpcError:
             res.fail(FailureCause.PEER_LOST, "the sender's stream broke")
             reply = (grpc.StatusCode.CANCELLED, "the sender's stream broke")
+            self._close_pair(
+                header
+            )  # posted sends may never be matched: the sender makes a new one
         except Exception as e:  # a dead or stalled pair peer, a malformed tensor: fail, not crash
             log.warning("KV transfer %s failed: %s", header.request_key, e)
-            if header.data_plane == pb.DATA_PLANE_PAIR and self.pairs is not None:
-                self.pairs.close(header.pair_id)
+            self._close_pair(header)
             res.fail(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
             reply = (grpc.StatusCode.DATA_LOSS, str(e))
         finally:
@@ -296,6 +303,11 @@ class KVReceiver:
             res.arrival.done_time = time.monotonic()
             res.reader_done.set()
         res.replies.put(reply)
+
+    def _close_pair(self, header: pb.TransferHeader) -> None:
+        """Forget a pair that may hold unmatched sends; transfers still on it keep their handle."""
+        if header.data_plane == pb.DATA_PLANE_PAIR and self.pairs is not None:
+            self.pairs.close(header.pair_id)
 
     def _consume(
         self,
@@ -309,6 +321,7 @@ class KVReceiver:
         layer_nbytes = layout.layer_nbytes(n)
         partial: dict[int, tuple[bytearray, int]] = {}  # gRPC plane: layer -> (bytes, filled)
         done: set[int] = set()
+        pair = self.pairs.get(header.pair_id) if self.pairs is not None else None
         for chunk in requests:
             part = chunk.WhichOneof("part")
             if part == "trailer":
@@ -342,8 +355,6 @@ class KVReceiver:
                 partial.pop(msg.layer, None)
                 self._write(res, msg.layer, from_bytes(buf, layout.torch_dtype, shape))
             elif header.data_plane == pb.DATA_PLANE_PAIR:
-                assert self.pairs is not None
-                pair = self.pairs.get(header.pair_id)
                 if pair is None:
                     raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
                 staging = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)

@@ -39,6 +39,7 @@ from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 CHANNELS = ("auto", "grpc", "pair", "shm")
+WRITE_MARGIN_S = 0.25  # stop writing into a receiver's memory this long before its deadline
 
 _CAUSE_OF = {
     grpc.StatusCode.NOT_FOUND: FailureCause.NOT_FOUND,
@@ -78,6 +79,9 @@ class OutboundTransfer:
         self._blocks_lock = threading.Lock()  # held while reading the source blocks
         self._blocks_released = False
         self._call: grpc.Future | None = None
+        self._write_deadline = 0.0  # set from the receiver's ACCEPTED
+        self._cancelled_by_receiver = False
+        self._local_error: TransferError | None = None  # why this side ended the stream
         self._done = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"kv-send-{ticket.request_key}", daemon=True
@@ -147,19 +151,25 @@ class OutboundTransfer:
                 self._call.cancel()
             for reply in self._call:
                 if reply.kind == pb.PushReply.ACCEPTED:
+                    margin = min(WRITE_MARGIN_S, reply.remaining_s / 2)
+                    self._write_deadline = time.monotonic() + reply.remaining_s - margin
                     self._accepted.set()
                 elif reply.kind == pb.PushReply.CANCELLED:
+                    self._cancelled_by_receiver = True
                     self._cancelled.set()
                     self._items.put(None)
                 elif reply.kind == pb.PushReply.DONE:
                     self.status.advance(TransferState.SUCCESS)
             if self.status.state != TransferState.SUCCESS:
                 self._fail(FailureCause.PEER_LOST, "the receiver ended the stream early")
-        except TransferError as e:
-            self._fail(e.cause, str(e))
         except grpc.RpcError as e:
-            cause = _CAUSE_OF.get(e.code(), FailureCause.PEER_LOST)
-            self._fail(cause, f"{e.code().name}: {e.details()}")
+            if self._local_error is not None:  # our side ended the stream, for this reason
+                self._fail(self._local_error.cause, self._local_error.message)
+            else:
+                cause = _CAUSE_OF.get(e.code(), FailureCause.PEER_LOST)
+                self._fail(cause, f"{e.code().name}: {e.details()}")
+        except TransferError as e:
+            self._fail(e.cause, e.message)
         except Exception as e:  # pair setup or a dead pair: fail this transfer, not the worker
             log.warning("KV transfer %s failed: %s", self.ticket.request_key, e)
             self._fail(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
@@ -172,8 +182,17 @@ class OutboundTransfer:
             self._done.set()
 
     def _fail(self, cause: FailureCause, message: str) -> None:
-        if self.status.fail(TransferError(cause, message)) and self.plane_name == "pair":
-            self.sender.pairs.drop(self.ticket.endpoint)  # the pair may hold unmatched sends
+        if self._local_error is not None and cause == FailureCause.PEER_LOST:
+            cause, message = self._local_error.cause, self._local_error.message
+        failed = self.status.fail(TransferError(cause, message))
+        # A pair stays usable when the stream ended in order: refused before any send, or
+        # cancelled by the receiver (which receives every layer already posted). Otherwise a
+        # posted send may never be matched, and Gloo would close the pair at its timeout.
+        clean = cause in (FailureCause.NOT_FOUND, FailureCause.BAD_METADATA) or (
+            self._cancelled_by_receiver
+        )
+        if failed and self.plane_name == "pair" and not clean:
+            self.sender.pairs.drop(self.ticket.endpoint)
 
     def _requests(self, plane: DataPlane) -> Iterator[pb.KVChunk]:
         header = pb.TransferHeader(
@@ -199,13 +218,31 @@ class OutboundTransfer:
                 with self._blocks_lock:
                     if self._blocks_released or self._cancelled.is_set() or self.slots is None:
                         return
-                    chunks = list(plane.send_layer(item, self.kv_caches[item], self.slots))
+                    try:
+                        chunks = list(
+                            plane.send_layer(
+                                item, self.kv_caches[item], self.slots, self._write_deadline
+                            )
+                        )
+                    except Exception as e:  # end the stream; _run reports this cause
+                        self._local_error = (
+                            e
+                            if isinstance(e, TransferError)
+                            else TransferError(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
+                        )
+                        return
                 self.nbytes += self.layout.layer_nbytes(self.ticket.num_tokens)
                 for c in chunks:
                     yield pb.KVChunk(layer=c)
                 continue
             first_token, logprobs, extras = item
-            plane.flush(max(self.status.remaining(), 0))
+            try:
+                plane.flush(max(self.status.remaining(), 0))
+            except Exception as e:
+                self._local_error = TransferError(
+                    FailureCause.PEER_LOST, f"{type(e).__name__}: {e}"
+                )
+                return
             yield pb.KVChunk(
                 trailer=pb.Trailer(
                     first_token=first_token_to_proto(first_token, logprobs),

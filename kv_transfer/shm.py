@@ -2,8 +2,9 @@
 request's KV straight into a decode worker's blocks (one copy, no socket).
 
 The decode worker creates the cache (`SharedKVCache.create`) and passes `path` in its tickets;
-the prefill worker attaches by path. The file lives in /dev/shm and is unlinked when the creator
-closes it; mappings already made stay valid until they are dropped.
+the prefill worker attaches by path. The file lives in /dev/shm, named with the creator's pid, and
+is unlinked when the creator closes it, or by the next `create` on the host once the creator is
+gone (killed); mappings already made stay valid until they are dropped.
 
 CPU tensors only. For CUDA caches the same role needs CUDA IPC handles, which are not written yet
 (a CUDA decode worker issues tickets without `shm_path`, and senders use a torch.distributed pair).
@@ -43,7 +44,8 @@ class SharedKVCache:
 
     @classmethod
     def create(cls, layout: KVLayout, num_blocks: int) -> SharedKVCache:
-        path = SHM_DIR / f"tandem-kv-{uuid.uuid4().hex}"
+        remove_stale_caches()
+        path = SHM_DIR / f"tandem-kv-{os.getpid()}-{uuid.uuid4().hex}"
         return cls(path, layout, num_blocks, owner=True)  # from_file creates it, zero-filled
 
     @classmethod
@@ -60,6 +62,17 @@ class SharedKVCache:
         self.kv_caches = []
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+
+def remove_stale_caches() -> int:
+    """Unlink caches whose creating process is gone (a decode worker killed without cleanup)."""
+    removed = 0
+    for path in SHM_DIR.glob("tandem-kv-*-*"):
+        pid = path.name.split("-")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 class SharedCacheAttachments:

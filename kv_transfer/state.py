@@ -45,6 +45,10 @@ class TransferError(Exception):
     def __init__(self, cause: FailureCause, message: str) -> None:
         super().__init__(f"KV transfer failed ({cause.value}): {message}")
         self.cause = cause
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[TransferError], tuple[FailureCause, str]]:
+        return TransferError, (self.cause, self.message)
 
     @property
     def retryable(self) -> bool:

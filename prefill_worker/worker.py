@@ -168,6 +168,16 @@ class PrefillWorker(EngineLoop):
             return
         transfer.abort()  # before_step frees the blocks once the transfer stops reading them
 
+    def fail_all(self, error: Exception) -> None:
+        for transfer in self._transfers.values():
+            transfer.abort()  # before_step frees the blocks once they are no longer read
+        for future in self._futures.values():
+            future.set_exception(error)
+        self._futures.clear()
+        for request_id in list(self.engine.scheduler.requests):
+            if request_id not in self._transfers:
+                self.engine.abort(request_id)
+
     def close(self) -> None:
         self.stop()
         self.sender.close()

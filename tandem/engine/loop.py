@@ -4,7 +4,8 @@ steps and returns a future.
 
 Loop: run queued calls -> `before_step()` (poll transfers) -> `step()` when there is work ->
 `after_step(deltas)`; when idle it sleeps until a call arrives or `idle_s` passes (so polling
-continues while requests wait on the network).
+continues while requests wait on the network). An exception in an iteration aborts the requests
+in flight (`fail_all`) and the loop goes on.
 """
 
 from __future__ import annotations
@@ -70,14 +71,23 @@ class EngineLoop:
                     self._run_call(fn, future)
             except queue.Empty:
                 pass
-            self.before_step()
-            if self.engine.has_unfinished():
-                deltas = self.engine.step()
-                self.after_step(deltas)
-                if self.on_finished is not None:
-                    for d in deltas:
-                        if d.finished:
-                            self.on_finished(d.request)
+            try:
+                self.before_step()
+                if self.engine.has_unfinished():
+                    deltas = self.engine.step()
+                    self.after_step(deltas)
+                    if self.on_finished is not None:
+                        for d in deltas:
+                            if d.finished:
+                                self.on_finished(d.request)
+            except Exception as e:  # a bug must cost the requests in flight, not the worker
+                log.exception("engine step failed; aborting the requests in flight")
+                self.fail_all(e)
+
+    def fail_all(self, error: Exception) -> None:
+        """Abort every request in the engine; subclasses also tell their callers why."""
+        for request_id in list(self.engine.scheduler.requests):
+            self.engine.abort(request_id)
 
     @staticmethod
     def _run_call(fn: Callable[[], object], future: Future[object]) -> None:

@@ -139,7 +139,7 @@ class KVChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., layer: _Optional[_Union[LayerChunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("kind", "bytes_received")
+    __slots__ = ("kind", "bytes_received", "remaining_s")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[PushReply.Kind]
@@ -152,9 +152,11 @@ class PushReply(_message.Message):
     DONE: PushReply.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_S_FIELD_NUMBER: _ClassVar[int]
     kind: PushReply.Kind
     bytes_received: int
-    def __init__(self, kind: _Optional[_Union[PushReply.Kind, str]] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    remaining_s: float
+    def __init__(self, kind: _Optional[_Union[PushReply.Kind, str]] = ..., bytes_received: _Optional[int] = ..., remaining_s: _Optional[float] = ...) -> None: ...
 
 class OpenPairRequest(_message.Message):
     __slots__ = ("pair_id", "backend", "timeout_s")

@@ -212,10 +212,10 @@ class _Recorder(DataPlane):
         self.inner.fill_header(header)
 
     def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
         self.sent[layer] = gather_tokens(cache, slots)  # read as the plane reads: blocks held
-        yield from self.inner.send_layer(layer, cache, slots)
+        yield from self.inner.send_layer(layer, cache, slots, deadline)
 
     def flush(self, timeout_s: float) -> None:
         self.inner.flush(timeout_s)

@@ -213,7 +213,7 @@ class ListPlane(DataPlane):
         header.pair_id = "from-inner"
 
     def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor
+        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
         self.sent.append(layer)
         yield pb.LayerChunk(layer=layer)
@@ -231,7 +231,7 @@ def test_faulty_plane_runs_its_hook_before_the_inner_plane() -> None:
     plane.fill_header(header)
     assert header.pair_id == "from-inner"
     cache, slots = paged(1, 4), torch.arange(2)
-    chunks = [c for layer in range(3) for c in plane.send_layer(layer, cache, slots)]
+    chunks = [c for layer in range(3) for c in plane.send_layer(layer, cache, slots, float("inf"))]
     assert [c.layer for c in chunks] == [0, 1, 2]
     assert seen == [(0, []), (1, [0]), (2, [0, 1])]
     plane.flush(1.0)

@@ -3,7 +3,7 @@
 Each fault must end the transfer promptly, with a typed cause on every side that survives, and
 leave the survivors with consistent block managers and nothing held: no block, no reservation,
 no transfer. The sender pauses before its last layer (the tiny model has two), so "mid-transfer"
-is exact: layer 0 is out, layer 1 is not. One test documents a known weakness (xfail).
+is exact: layer 0 is out, layer 1 is not.
 """
 
 from __future__ import annotations
@@ -151,11 +151,6 @@ def test_a_timed_out_transfer_is_recomputed_locally(
     prefill_proc.call("wait_idle", "p")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no fence on the shm plane: a sender that stalls past the deadline and the "
-    "receiver's grace (SHM_GRACE_S) still writes into blocks the receiver has released",
-)
 def test_a_stalled_shm_sender_does_not_write_into_released_blocks(
     tiny_llama_path: Path, prefill_proc: WorkerProcess, decode_proc: WorkerProcess
 ) -> None:
