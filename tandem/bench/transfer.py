@@ -152,22 +152,31 @@ class Devices:
 
 
 def plan_devices(config: BenchConfig) -> Devices:
+    from kv_transfer.shm import shm_available
+
+    skipped: dict[str, str] = {}
     if config.device == "cpu":
-        return Devices("cpu", "cpu", config.channels, config.exposed_channels, {})
-    if not torch.cuda.is_available():
-        raise BenchError(f"--device {config.device}: CUDA is not available")
-    count = torch.cuda.device_count()
-    index = torch.device(config.device).index or 0
-    if index >= count:
-        raise BenchError(f"--device {config.device}: only {count} CUDA device(s)")
-    sender, receiver = f"cuda:{index}", f"cuda:{(index + 1) % count}"
-    skipped = {"shm": "the shared-memory cache is CPU only"}
-    if sender == receiver:
-        skipped["pair"] = "NCCL cannot put both ranks on one GPU (needs a second GPU)"
+        sender = receiver = "cpu"
+        if not shm_available():
+            skipped["shm"] = "/dev/shm is not writable here"
+    else:
+        if not torch.cuda.is_available():
+            raise BenchError(f"--device {config.device}: CUDA is not available")
+        count = torch.cuda.device_count()
+        index = torch.device(config.device).index or 0
+        if index >= count:
+            raise BenchError(f"--device {config.device}: only {count} CUDA device(s)")
+        sender, receiver = f"cuda:{index}", f"cuda:{(index + 1) % count}"
+        skipped["shm"] = "the shared-memory cache is CPU only"
+        if sender == receiver:
+            skipped["pair"] = "NCCL cannot put both ranks on one GPU (needs a second GPU)"
+    channels = tuple(c for c in config.channels if c not in skipped)
+    if not channels:
+        raise BenchError(f"no channel of {list(config.channels)} can run: {skipped}")
     return Devices(
         sender,
         receiver,
-        tuple(c for c in config.channels if c not in skipped),
+        channels,
         tuple(c for c in config.exposed_channels if c not in skipped),
         {c: why for c, why in skipped.items() if c in config.channels + config.exposed_channels},
     )
@@ -1164,10 +1173,12 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
                 label=labels[what] if i == 0 else None,
             )
     ax_gb.set_yscale("log")
+    top = max(c["gb_s"]["max"] for c in res["cells"].values())
+    ax_gb.set_ylim(top=top * 12)  # room for the legend above the bars
     ax_gb.set_xticks(range(len(tokens)), [f"{n} tokens" for n in tokens])
     ax_gb.set_ylabel("GB/s")
     ax_gb.set_title(f"throughput ({config['device']}), median of {config['reps']}")
-    ax_gb.legend(fontsize=8)
+    ax_gb.legend(fontsize=8, ncols=2, loc="upper left")
     if exposed:
         ax_ex = axes[1]
         groups = [(r["label"], r["tokens"]) for r in exposed["rows"] if r["stream"]]
@@ -1189,6 +1200,15 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
                     label=("layer-wise streaming" if stream else "after the prefill")
                     if i == 0
                     else None,
+                )
+                ax_ex.annotate(
+                    f"{s['median'] * 1e3:.1f}",
+                    (i + (j - 0.5) * 0.38, s["median"] * 1e3),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    xytext=(0, 2),
+                    textcoords="offset points",
                 )
             step = next(r for r in exposed["rows"] if (r["label"], r["tokens"]) == (label, n))
             ax_ex.hlines(
