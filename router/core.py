@@ -15,6 +15,7 @@ end          usage and timings; a stop string, an Abort, a client that leaves, o
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -215,6 +216,8 @@ class Router:
         prefills = self._live("prefill")
         local = len(prep.prompt_token_ids) <= self.config.local_prefill_tokens or not prefills
         p = None if local else self.prefill_policy.pick(prefills, ctx)
+        if p is not None:  # counted from the pick, so that a burst of requests spreads
+            self.inflight[p.worker_id] += 1
         wreq = wpb.WorkerRequest(
             request_id=prep.request_id,
             prompt_token_ids=prep.prompt_token_ids,
@@ -229,7 +232,12 @@ class Router:
             prep.params.stop_strings,
             prep.params.skip_special_tokens,
         )
-        d, call, ticket = await self._open_decode(decodes, ctx, wreq, local, prep)
+        try:
+            d, call, ticket = await self._open_decode(decodes, ctx, wreq, local, prep)
+        except BaseException:
+            if p is not None:
+                self.inflight[p.worker_id] -= 1
+            raise
         timings: dict[str, Any] = {
             "queue_s": dispatched - prep.arrival,
             "decode_worker": d.worker_id,
@@ -238,13 +246,14 @@ class Router:
         completion = 0
         first_token_time: float | None = None
         go_local = asyncio.Event()
-        self.inflight[d.worker_id] += 1
         prefill_task: asyncio.Task[None] | None = None
         try:
             if p is not None:
                 prefill_task = asyncio.create_task(
                     self._prefill(wreq, ticket, p, prep, timings, go_local)
                 )
+                # The pick's count on P ends with the task (even one cancelled before it ran).
+                prefill_task.add_done_callback(functools.partial(self._release, p.worker_id))
             while True:
                 msg = await _read_or(call, abort, go_local)
                 if msg == "abort":
@@ -294,6 +303,8 @@ class Router:
             call.cancel()  # no-op when finished; otherwise D aborts and frees the blocks
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
+            elif prefill_task is None and p is not None:
+                self.inflight[p.worker_id] -= 1
             self.inflight[d.worker_id] -= 1
 
     def _final(
@@ -329,11 +340,15 @@ class Router:
         tried: set[str] = set()
         while True:
             d = self.decode_policy.pick([w for w in decodes if w.worker_id not in tried], ctx)
+            self.inflight[d.worker_id] += 1  # from the pick, so that a burst of requests spreads
             call = self._decode_call(d, wreq, local, prep)
             try:
                 return d, call, await self._read_ticket(call, d)
-            except grpc.aio.AioRpcError as e:
-                call.cancel()
+            except BaseException as e:
+                self.inflight[d.worker_id] -= 1
+                call.cancel()  # also when the client left while waiting: D frees the blocks
+                if not isinstance(e, grpc.aio.AioRpcError):
+                    raise
                 tried.add(d.worker_id)
                 retry = len(tried) < 2 and any(w.worker_id not in tried for w in decodes)
                 if e.code() != grpc.StatusCode.UNAVAILABLE or not retry:
@@ -369,7 +384,9 @@ class Router:
         p: WorkerRecord | None = first
         while p is not None:
             timings["prefill_worker"] = p.worker_id
-            self.inflight[p.worker_id] += 1
+            retry = p is not first  # the first one is counted from the pick (_dispatch)
+            if retry:
+                self.inflight[p.worker_id] += 1
             try:
                 stub = wpb_grpc.PrefillWorkerStub(self._channel(p.endpoint))
                 timeout = max(prep.deadline - time.monotonic(), 0.001)
@@ -386,7 +403,8 @@ class Router:
                 if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
                     return  # D's reservation has ended (it prefills locally, or was aborted)
             finally:
-                self.inflight[p.worker_id] -= 1
+                if retry:
+                    self.inflight[p.worker_id] -= 1
             others = [w for w in self._live("prefill") if w.worker_id not in tried]
             p = None
             if policy == "retry" and others and len(tried) < 2:
@@ -394,6 +412,9 @@ class Router:
                 tried.add(p.worker_id)
                 self.prefill_retries += 1
         go_local.set()  # the relay loop prefills on D, or fails under `fail`
+
+    def _release(self, worker_id: str, _task: object = None) -> None:
+        self.inflight[worker_id] -= 1
 
     def _worker_error(self, e: grpc.aio.AioRpcError, d: WorkerRecord) -> RouterError:
         code = e.code()

@@ -1,0 +1,94 @@
+"""Fixtures of the end-to-end cluster tests: real worker processes on loopback, the registry and
+the router, started once and stopped whatever happens.
+
+- `smol`: SmolLM2 1P2D. The two decode workers differ: one runs n-gram speculative decoding.
+  The router takes them in turn (`round_robin`), so any two consecutive requests cover both.
+- `smol_llm`: the offline engine on the same model, the reference of the parity tests.
+- `tiny`: 2P2D on the tiny random Llama with an 8192-token context (so one request can stream for
+  seconds while a test kills its worker), heartbeat TTL 1.5 s, the router's default policies.
+
+Clusters are module-scoped: each module that uses one starts it once, and it is gone (the worker
+processes and their shared-memory KV caches) before the next module runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from router.core import RouterConfig
+from tandem.engine import LLM
+from tandem.launcher import LocalCluster, WorkerProcess
+
+SMOL = "smollm2-135m"
+
+
+@contextmanager
+def running(cluster: LocalCluster, timeout_s: float = 180.0) -> Iterator[LocalCluster]:
+    """Start the cluster; stop it (router, then every worker process) however the block ends."""
+    try:
+        cluster.start(timeout_s)
+        yield cluster
+    finally:
+        cluster.stop()  # SIGTERM; SIGKILL (which leaks a /dev/shm KV cache) only past 15 s
+
+
+class SpecPairCluster(LocalCluster):
+    """Its second and later decode workers run n-gram speculative decoding."""
+
+    def add_worker(self, role: str) -> WorkerProcess:
+        if role == "decode" and any(w.role == "decode" for w in self.workers):
+            self.decode_args = ["--spec", "ngram"]
+        return super().add_worker(role)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_path: Path) -> Iterator[LocalCluster]:
+    cluster = SpecPairCluster(
+        SMOL,
+        num_prefill=1,
+        num_decode=2,
+        http_port=0,
+        grpc_port=0,
+        router=RouterConfig(SMOL, decode_policy="round_robin"),
+    )
+    with running(cluster):
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def smol_llm(smollm2_path: Path) -> LLM:
+    return LLM(str(smollm2_path), dtype="float32", memory_gib=0.25)
+
+
+@pytest.fixture(scope="session")
+def tiny_long_path(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama-long")
+    shutil.copytree(tiny_llama_path, path, dirs_exist_ok=True)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 8192
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+TINY_TTL_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_long_path: Path) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(
+        str(tiny_long_path),
+        num_prefill=2,
+        num_decode=2,
+        http_port=0,
+        grpc_port=0,
+        heartbeat_ttl_s=TINY_TTL_S,
+        router=RouterConfig(str(tiny_long_path)),  # the default policies
+    )
+    with running(cluster):
+        yield cluster

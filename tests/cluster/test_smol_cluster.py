@@ -1,0 +1,374 @@
+"""SmolLM2, 1 prefill + 2 decode workers (one with n-gram speculative decoding), end to end.
+
+- Parity: greedy output through the router's gRPC and HTTP APIs (and the official `openai`
+  client) equals the offline engine's, for prompts the prefill worker computes and whose KV
+  travels to a decode worker, with and without speculative decoding.
+- Conditional disaggregation: a short prompt skips the prefill worker.
+- Cancellation: a client that closes its SSE connection, or cancels its gRPC call, frees the
+  request's KV blocks on both workers within a second or two.
+- Errors: bad input gets the documented error naming the field over both APIs, before any worker
+  is involved; overload gets 429 / RESOURCE_EXHAUSTED with a retry hint; a router without workers
+  answers 503 / UNAVAILABLE; the workers keep serving afterwards.
+
+One cluster for the module (`smol`, conftest); the tests leave it idle for the next one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+from cluster_helpers import (
+    RPC_TIMEOUT_S,
+    grpc_error,
+    grpc_generate,
+    grpc_stream,
+    http_post,
+    scrape,
+    sse_events,
+    wait_router_idle,
+    wait_workers_idle,
+    worker_stats,
+    workers,
+)
+from conftest import SMOL
+
+from router.core import RouterConfig
+from router.server import RouterServer
+from tandem.engine import LLM, SamplingParams
+from tandem.engine.llm import RequestOutput
+from tandem.launcher import LocalCluster
+from tandem.registry import Registry
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+# -- parity ----------------------------------------------------------------------------------
+
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+PROMPT = (
+    "The Roman Empire was one of the largest empires of the ancient world. At its height it "
+    "stretched from Britain to Egypt, and its roads, laws and language shaped Europe for "
+    "centuries. Historians still argue about why it fell. The most important reason was"
+)
+CHAT = [
+    {"role": "user", "content": "Give me three tips for staying healthy while working from home."}
+]
+
+
+@pytest.fixture(scope="module")
+def ref_prompt(smol_llm: LLM) -> RequestOutput:
+    return smol_llm.generate(PROMPT, GREEDY)[0]
+
+
+@pytest.fixture(scope="module")
+def ref_chat(smol_llm: LLM) -> RequestOutput:
+    return smol_llm.chat(CHAT, GREEDY)[0]
+
+
+def test_grpc_greedy_equals_offline_with_and_without_speculation(
+    smol: LocalCluster, ref_prompt: RequestOutput, ref_chat: RequestOutput
+) -> None:
+    assert smol.address is not None
+    target = smol.address.grpc_target
+    (prefill,) = workers(smol, "prefill")
+    # Above the router's local_prefill_tokens (32): the prefill worker computes them.
+    assert len(ref_prompt.prompt_token_ids) > 32 and len(ref_chat.prompt_token_ids) > 32
+    decode_ids = {w.worker_id for w in workers(smol, "decode")}
+    seen: dict[str, list[Any]] = {}
+    for ref, kwargs in (
+        (ref_prompt, {"prompt": PROMPT}),
+        (ref_prompt, {"ids": ref_prompt.prompt_token_ids}),
+        (ref_chat, {"chat": CHAT}),
+        (ref_chat, {"chat": CHAT}),
+    ):
+        # Consecutive requests alternate over the two decode workers (round robin).
+        tokens, last = grpc_generate(target, max_tokens=MAX_TOKENS, temperature=0.0, **kwargs)
+        assert tokens == ref.token_ids, f"via {last.timings.decode_worker}"
+        assert last.finish_reason == ref.finish_reason
+        assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert last.usage.completion_tokens == len(ref.token_ids)
+        assert last.timings.prefill_worker == prefill.worker_id
+        assert last.timings.decode_worker in decode_ids
+        seen.setdefault(last.timings.decode_worker, []).append(last.timings)
+    assert set(seen) == decode_ids, "both decode workers (plain and speculative) served"
+    drafting = [w for w, ts in seen.items() if any(t.draft_tokens for t in ts)]
+    assert len(drafting) == 1, f"exactly the speculative worker drafts: {seen}"
+    assert sum(t.accepted_tokens for t in seen[drafting[0]]) > 0, "drafts were accepted"
+    # A request can opt out of speculation, on either worker.
+    for _ in range(2):
+        tokens, last = grpc_generate(
+            target, PROMPT, speculative=False, max_tokens=MAX_TOKENS, temperature=0.0
+        )
+        assert tokens == ref_prompt.token_ids
+        assert last.timings.draft_tokens == 0
+
+
+def test_http_greedy_equals_offline(
+    smol: LocalCluster, ref_prompt: RequestOutput, ref_chat: RequestOutput
+) -> None:
+    assert smol.address is not None
+    url = smol.address.http_url
+    for _ in range(2):  # once on each decode worker
+        r = http_post(
+            f"{url}/v1/completions",
+            {"model": SMOL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["text"] == ref_prompt.text
+        assert body["choices"][0]["finish_reason"] == ref_prompt.finish_reason
+        assert body["usage"]["completion_tokens"] == len(ref_prompt.token_ids)
+    for _ in range(2):
+        r = http_post(
+            f"{url}/v1/chat/completions",
+            {"model": SMOL, "messages": CHAT, "max_tokens": MAX_TOKENS, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": ref_chat.text}
+        assert body["usage"]["prompt_tokens"] == len(ref_chat.prompt_token_ids)
+
+
+def test_openai_client(
+    smol: LocalCluster, ref_prompt: RequestOutput, ref_chat: RequestOutput
+) -> None:
+    assert smol.address is not None
+    client = openai.OpenAI(
+        base_url=smol.address.http_url + "/v1", api_key="x", timeout=60.0, max_retries=0
+    )
+    assert [m.id for m in client.models.list()] == [SMOL]
+    sampling: dict[str, Any] = {"model": SMOL, "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    completion = client.completions.create(prompt=PROMPT, **sampling)
+    assert completion.choices[0].text == ref_prompt.text
+    chunks = list(client.completions.create(prompt=PROMPT, stream=True, **sampling))
+    assert "".join(c.choices[0].text for c in chunks) == ref_prompt.text
+    assert chunks[-1].choices[0].finish_reason == ref_prompt.finish_reason
+
+    chat = client.chat.completions.create(messages=CHAT, **sampling)  # type: ignore[arg-type]
+    assert chat.choices[0].message.content == ref_chat.text
+    stream = client.chat.completions.create(
+        messages=CHAT,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+        **sampling,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref_chat.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == len(ref_chat.token_ids)
+
+
+def test_short_prompt_skips_the_prefill_worker(smol: LocalCluster, smol_llm: LLM) -> None:
+    """Conditional disaggregation: a prompt of <= 32 tokens is prefilled by the decode worker."""
+    assert smol.address is not None
+    (prefill,) = workers(smol, "prefill")
+    wait_workers_idle(workers(smol), 5.0)
+    before = scrape(prefill.metrics_url)
+    ids = smol_llm.encode("Hello! How are you today?")
+    assert len(ids) <= 32
+    ref = smol_llm.generate(ids, GREEDY)[0]
+    for _ in range(2):  # once on each decode worker
+        tokens, last = grpc_generate(
+            smol.address.grpc_target, ids=ids, max_tokens=MAX_TOKENS, temperature=0.0
+        )
+        assert last.timings.prefill_worker == ""
+        assert tokens == ref.token_ids
+    after = scrape(prefill.metrics_url)
+    for name in ("tandem_prefix_cache_query_tokens", "tandem_requests_running"):
+        assert after[name] == before[name], f"{name}: the prefill worker saw the request"
+
+
+# -- cancellation --------------------------------------------------------------------------
+
+# Long enough for the prefill worker (> 32 tokens); the output (ignore_eos) outlasts the test.
+STORY = (
+    "Write a very long story about a lighthouse keeper who lives alone on a rocky island in the "
+    "north sea, and who one stormy night finds a message in a bottle washed up on the shore."
+)
+LONG = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+
+
+def assert_running_somewhere(cluster: LocalCluster) -> None:
+    running = [worker_stats(w).running for w in workers(cluster, "decode")]
+    assert sum(running) == 1, f"the request runs on one decode worker: {running}"
+
+
+def test_closing_the_sse_stream_frees_the_request(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    all_workers = workers(smol)
+    wait_workers_idle(all_workers, 5.0)
+    body = {"model": SMOL, "prompt": STORY, "stream": True, **LONG}
+    with (
+        httpx.Client(timeout=RPC_TIMEOUT_S) as client,
+        client.stream("POST", f"{smol.address.http_url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+        for _ in range(3):
+            event = next(events)
+            assert event["choices"][0]["finish_reason"] is None
+        assert_running_somewhere(smol)
+    # The connection is closed: the router cancels both calls, the workers free the blocks.
+    wait_workers_idle(all_workers, 2.0)
+    wait_router_idle(smol)
+
+
+def test_cancelling_the_grpc_call_frees_the_request(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    all_workers = workers(smol)
+    wait_workers_idle(all_workers, 5.0)
+    with grpc_stream(smol.address.grpc_target, STORY, **LONG) as call:
+        for _ in range(3):
+            assert not next(call).finish_reason
+        assert_running_somewhere(smol)
+        call.cancel()
+        wait_workers_idle(all_workers, 2.0)
+    wait_router_idle(smol)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+MAX_MODEL_LEN = 8192  # SmolLM2's context
+
+# (case, HTTP body fields, gRPC Generate kwargs, the field the error names)
+BAD_INPUT: list[tuple[str, dict[str, Any], dict[str, Any], tuple[str, ...]]] = [
+    ("empty prompt", {"prompt": ""}, {"prompt": ""}, ("prompt",)),
+    (
+        "too long",
+        {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN},
+        {"prompt": "Hello", "max_tokens": MAX_MODEL_LEN},
+        ("prompt", "max_tokens"),
+    ),
+    ("negative temperature", {"temperature": -1}, {"temperature": -1.0}, ("temperature",)),
+    ("top_p 0", {"top_p": 0}, {"top_p": 0.0}, ("top_p",)),
+    ("max_tokens 0", {"max_tokens": 0}, {"max_tokens": 0}, ("max_tokens",)),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"), [(b, f) for _, b, _, f in BAD_INPUT], ids=[c for c, *_ in BAD_INPUT]
+)
+def test_http_bad_input_is_400_naming_the_field(
+    smol: LocalCluster, body: dict[str, Any], field: tuple[str, ...]
+) -> None:
+    assert smol.address is not None
+    url = smol.address.http_url
+    r = http_post(f"{url}/v1/completions", {"model": SMOL, "prompt": "Hello", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] in field, error
+    if body.get("prompt") != "":  # the same fields on the chat route
+        fields = {k: v for k, v in body.items() if k != "prompt"}
+        chat = {"model": SMOL, "messages": [{"role": "user", "content": "Hi"}], **fields}
+        r = http_post(f"{url}/v1/chat/completions", chat)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] in field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [(k, f) for _, _, k, f in BAD_INPUT], ids=[c for c, *_ in BAD_INPUT]
+)
+def test_grpc_bad_input_is_invalid_argument_naming_the_field(
+    smol: LocalCluster, kwargs: dict[str, Any], field: tuple[str, ...]
+) -> None:
+    assert smol.address is not None
+    kwargs = {"prompt": "Hello", **kwargs}
+    e = grpc_error(smol.address.grpc_target, **kwargs)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
+    assert any(f in e.details() for f in field), e.details()
+
+
+def test_malformed_json_is_400(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    for route in ("completions", "chat/completions"):
+        r = http_post(f"{smol.address.http_url}/v1/{route}", raw=b'{"prompt": "Hi", ')
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "body"
+    # Well-formed JSON of the wrong shape names the field.
+    r = http_post(f"{smol.address.http_url}/v1/chat/completions", {"messages": "Hi"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages"
+
+
+def test_unknown_model_is_not_found(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    r = http_post(f"{smol.address.http_url}/v1/completions", {"model": "nope", "prompt": "Hi"})
+    assert r.status_code == 404, r.text
+    assert r.json()["error"]["param"] == "model"
+    e = grpc_error(smol.address.grpc_target, "Hi", model="nope")
+    assert e.code() == grpc.StatusCode.NOT_FOUND
+    assert "model" in e.details()
+
+
+@pytest.fixture(scope="module")
+def capped_router(smol: LocalCluster) -> Iterator[RouterServer]:
+    """A second router on the same workers that dispatches one request at a time, no queue."""
+    assert smol.registry is not None
+    server = RouterServer(
+        RouterConfig(SMOL, max_inflight=1, max_queue=0), smol.registry.url, http_port=0, grpc_port=0
+    )
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_overload_is_429_and_resource_exhausted(
+    smol: LocalCluster, capped_router: RouterServer
+) -> None:
+    address = capped_router.address
+    assert address is not None
+    long = {"max_tokens": 2000, "temperature": 0.0, "ignore_eos": True}
+    with grpc_stream(address.grpc_target, "Tell me a story.", **long) as call:
+        next(call)  # the one dispatch slot is taken
+        r = http_post(f"{address.http_url}/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        e = grpc_error(address.grpc_target, "Hi", max_tokens=2)
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert int(dict(e.trailing_metadata())["retry-after"]) >= 1
+    # The slot is free again once the long request is cancelled.
+    wait_workers_idle(workers(smol), 2.0)
+    tokens, last = grpc_generate(address.grpc_target, "Hi", max_tokens=2, temperature=0.0)
+    assert len(tokens) == last.usage.completion_tokens > 0
+
+
+def test_no_worker_is_503_and_unavailable(smollm2_path: Path) -> None:
+    registry = Registry()  # an empty registry: no worker ever registers
+    server = RouterServer(RouterConfig(SMOL), registry.url, http_port=0, grpc_port=0)
+    try:
+        address = server.start()
+        r = http_post(f"{address.http_url}/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "service_unavailable"
+        e = grpc_error(address.grpc_target, "Hi", max_tokens=2)
+        assert e.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop()
+        registry.close()
+
+
+def test_workers_serve_normally_afterwards(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    wait_workers_idle(workers(smol), 2.0)
+    for _ in range(2):  # both decode workers
+        tokens, last = grpc_generate(
+            smol.address.grpc_target, "Hello!", max_tokens=4, temperature=0.0
+        )
+        assert last.finish_reason in ("stop", "length") and tokens
+    r = http_post(f"{smol.address.http_url}/v1/completions", {"prompt": "Hello!", "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    wait_workers_idle(workers(smol), 2.0)
+    wait_router_idle(smol)

@@ -1,0 +1,172 @@
+"""2P2D on the tiny random Llama, default routing policies: concurrent requests spread over both
+pools, a repeated prefix goes to the prefill worker that has it cached, and a decode worker killed
+with SIGKILL leaves the registry within its TTL while its requests fail fast and new ones go to
+the other decode worker.
+
+The last two tests kill workers: they stay last in this module.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import httpx2 as httpx
+import pytest
+from cluster_helpers import (
+    grpc_error,
+    grpc_generate,
+    grpc_stream,
+    http_post,
+    scrape,
+    sigkill,
+    sse_events,
+    wait_for,
+    wait_router_idle,
+    wait_workers_idle,
+    worker_stats,
+    workers,
+)
+from conftest import TINY_TTL_S as TTL_S
+
+from tandem.engine.kv_cache import block_hashes, prefix_key
+from tandem.launcher import LocalCluster
+from tandem.registry import WorkerRecord
+
+pytestmark = pytest.mark.timeout(240)
+
+BLOCK = 16
+LONG = {"max_tokens": 8000, "temperature": 0.0, "ignore_eos": True}  # streams for seconds
+
+
+def prompt_ids(i: int, n: int = 80) -> list[int]:
+    """A distinct prompt (its first block differs from every other i's) of n byte tokens."""
+    text = f"{i:03d} the quick brown fox jumps over the lazy dog " * 4
+    return list(text.encode()[:n])
+
+
+def test_concurrent_requests_spread_over_both_pools(tiny: LocalCluster) -> None:
+    assert tiny.address is not None
+    target = tiny.address.grpc_target
+
+    def run(i: int) -> tuple[str, str]:
+        _, last = grpc_generate(target, ids=prompt_ids(i, 192), max_tokens=16, temperature=0.0)
+        return last.timings.prefill_worker, last.timings.decode_worker
+
+    with ThreadPoolExecutor(8) as pool:
+        served = list(pool.map(run, range(8)))
+    prefills = {p for p, _ in served}
+    decodes = {d for _, d in served}
+    assert prefills == {w.worker_id for w in workers(tiny, "prefill")}, served
+    assert decodes == {w.worker_id for w in workers(tiny, "decode")}, served
+    wait_router_idle(tiny)
+    wait_workers_idle(workers(tiny))
+
+
+def published(snapshot_workers: list[WorkerRecord], ids: list[int]) -> str | None:
+    """The prefill worker whose published prefix summary holds all of the prompt's full blocks."""
+    keys = [prefix_key(h) for h in block_hashes(ids, BLOCK)]
+    for w in snapshot_workers:
+        if w.prefix_hit_blocks(keys) == len(keys):
+            return w.worker_id
+    return None
+
+
+def test_a_cached_prefix_goes_to_the_prefill_worker_that_holds_it(tiny: LocalCluster) -> None:
+    """Each prefill worker gets a long prompt; after a heartbeat publishes the prefix summaries,
+    prompts that extend one of them all go to the worker holding it, and hit its cache."""
+    assert tiny.address is not None and tiny.router_server is not None
+    target = tiny.address.grpc_target
+    snapshot = tiny.router_server.snapshot
+    prefills = {w.worker_id: w for w in workers(tiny, "prefill")}
+    # Two long prompts at once: least-loaded puts them on different prefill workers (a few
+    # tries, in case one prefill ends before the other request is routed).
+    for attempt in range(3):
+        bases = [prompt_ids(100 + 2 * attempt + i, 160) for i in range(2)]
+        with ThreadPoolExecutor(2) as pool:
+            first = list(
+                pool.map(lambda ids: grpc_generate(target, ids=ids, max_tokens=2)[1].timings, bases)
+            )
+        holder = {tuple(ids): t.prefill_worker for ids, t in zip(bases, first, strict=True)}
+        if set(holder.values()) == set(prefills):
+            break
+    else:
+        raise AssertionError(f"both long prompts went to one prefill worker: {holder}")
+    # Wait for a heartbeat (ttl/3) to publish the summaries and the router to read them.
+    for ids in bases:
+        wait_for(
+            lambda ids=ids: published(snapshot.workers(role="prefill"), ids) == holder[tuple(ids)],
+            3 * TTL_S,
+            "the prefix summary to reach the router",
+        )
+    hits = {w: scrape(r.metrics_url)["tandem_prefix_cache_hit_tokens"] for w, r in prefills.items()}
+    for n, ids in enumerate(bases):
+        for k in range(3):
+            extended = ids + list(f" and then {n}{k} more".encode())
+            _, last = grpc_generate(target, ids=extended, max_tokens=2, temperature=0.0)
+            assert last.timings.prefill_worker == holder[tuple(ids)]
+    for worker_id, record in prefills.items():
+        grown = scrape(record.metrics_url)["tandem_prefix_cache_hit_tokens"] - hits[worker_id]
+        # Three prompts, each finding the base prompt's 10 full blocks cached.
+        assert grown >= 3 * (160 // BLOCK) * BLOCK, (worker_id, grown)
+    wait_router_idle(tiny)
+
+
+def test_killed_decode_worker_leaves_fast_and_its_request_fails_fast(tiny: LocalCluster) -> None:
+    assert tiny.address is not None and tiny.registry is not None
+    target = tiny.address.grpc_target
+    decodes = workers(tiny, "decode")
+    wait_workers_idle(workers(tiny), 5.0)
+    with grpc_stream(target, ids=prompt_ids(7), timeout=60.0, **LONG) as call:
+        assert not next(call).finish_reason
+        (victim,) = [w for w in decodes if worker_stats(w).running]
+        (survivor,) = [w for w in decodes if w.worker_id != victim.worker_id]
+        killed = sigkill(tiny, victim)
+        with pytest.raises(grpc.RpcError) as failure:
+            for msg in call:
+                assert not msg.finish_reason, "the request finished before the kill"
+        failed_after = time.monotonic() - killed
+    assert failure.value.code() == grpc.StatusCode.UNAVAILABLE, failure.value
+    assert failed_after < 3.0, f"the client waited {failed_after:.1f} s for the error"
+    wait_for(
+        lambda: victim.worker_id not in {w.worker_id for w in tiny.registry.workers()},
+        killed + TTL_S + 1.0 - time.monotonic(),
+        "the killed worker to leave the registry",
+    )
+    for i in range(3):
+        _, last = grpc_generate(target, ids=prompt_ids(200 + i), max_tokens=4, temperature=0.0)
+        assert last.timings.decode_worker == survivor.worker_id
+    wait_router_idle(tiny)
+
+
+def test_killing_every_decode_worker_ends_sse_streams_then_503(tiny: LocalCluster) -> None:
+    """The SSE stream of a request whose decode worker dies ends with an error event; with no
+    decode worker left, new requests are refused at once (503 / UNAVAILABLE), not left hanging."""
+    assert tiny.address is not None
+    url = tiny.address.http_url
+    body = {"prompt": bytes(prompt_ids(9)).decode(), "stream": True, **LONG}
+    with (
+        httpx.Client(timeout=30.0) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+        assert next(events)["choices"][0]["finish_reason"] is None
+        (victim,) = [w for w in workers(tiny, "decode") if worker_stats(w).running]
+        killed = sigkill(tiny, victim)
+        rest = list(events)  # to [DONE] or the end of the stream
+        ended_after = time.monotonic() - killed
+    assert rest and "error" in rest[-1], rest[-3:]
+    assert rest[-1]["error"]["type"] == "service_unavailable"
+    assert ended_after < 3.0, f"the client waited {ended_after:.1f} s for the error"
+    for other in workers(tiny, "decode"):
+        if other.worker_id != victim.worker_id:  # still listed until its TTL lapses
+            sigkill(tiny, other)
+    start = time.monotonic()
+    r = http_post(f"{url}/v1/completions", {"prompt": body["prompt"], "max_tokens": 4})
+    assert r.status_code == 503, r.text
+    e = grpc_error(tiny.address.grpc_target, ids=prompt_ids(9), max_tokens=4)
+    assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+    assert time.monotonic() - start < 5.0
+    wait_router_idle(tiny)
