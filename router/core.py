@@ -32,7 +32,6 @@ from router.errors import ErrorKind, RouterError, invalid
 from router.policies import PickContext, make_policy
 from tandem import hub
 from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.kv_cache import block_hashes, prefix_key
 from tandem.engine.models.loader import load_config, load_tokenizer
 from tandem.engine.sampler import TokenLogprobs
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
@@ -57,7 +56,6 @@ class RouterConfig:
     max_inflight: int = 256
     max_queue: int = 1024
     timeout_s: float = 600.0  # a request's deadline unless it asks for a shorter one
-    block_size: int = 16  # the workers' KV block size, for prefix-aware routing
     max_model_len: int | None = None
 
     def __post_init__(self) -> None:
@@ -147,13 +145,17 @@ class Router:
             tokens = list(prompt_token_ids or [])
         if timeout_s < 0:
             raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
+        prompt_field = "messages" if messages is not None else "prompt"
         try:
             params.validate(self.vocab_size)
             validate_prompt_token_ids(
                 tokens, self.vocab_size, self.max_model_len, params.max_tokens
             )
         except ValueError as e:
-            raise invalid(str(e)) from None
+            message = str(e)
+            if message.startswith("prompt"):  # name the field the client actually sent
+                message = prompt_field + message.removeprefix("prompt")
+            raise invalid(message) from None
         timeout = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         deadline = time.monotonic() + timeout
@@ -211,8 +213,7 @@ class Router:
         decodes = self._live("decode")
         if not decodes:
             raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
-        keys = [prefix_key(h) for h in block_hashes(prep.prompt_token_ids, self.config.block_size)]
-        ctx = PickContext(keys, self.inflight)
+        ctx = PickContext(prep.prompt_token_ids, self.inflight)
         prefills = self._live("prefill")
         local = len(prep.prompt_token_ids) <= self.config.local_prefill_tokens or not prefills
         p = None if local else self.prefill_policy.pick(prefills, ctx)
@@ -408,7 +409,9 @@ class Router:
             others = [w for w in self._live("prefill") if w.worker_id not in tried]
             p = None
             if policy == "retry" and others and len(tried) < 2:
-                p = self.prefill_policy.pick(others, PickContext((), self.inflight))
+                p = self.prefill_policy.pick(
+                    others, PickContext(wreq.prompt_token_ids, self.inflight)
+                )
                 tried.add(p.worker_id)
                 self.prefill_retries += 1
         go_local.set()  # the relay loop prefills on D, or fails under `fail`

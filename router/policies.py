@@ -2,7 +2,7 @@
 
 - `round_robin`: in turn.
 - `least_loaded`: fewest requests (this router's in-flight ones plus the worker's published
-  queue), ties by free KV blocks.
+  queue); ties rotate.
 - `power_of_two`: the less loaded of two random workers (near least-loaded, without every router
   piling onto the same worker between heartbeats).
 - `prefix_aware`: the worker whose published prefix-cache summary holds the longest head of the
@@ -17,8 +17,9 @@ import random
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tandem.engine.kv_cache import block_hashes, prefix_key
 from tandem.registry import WorkerRecord
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
@@ -26,8 +27,16 @@ POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")
 
 @dataclass(frozen=True)
 class PickContext:
-    prefix_keys: Sequence[int]  # the prompt's chained block hashes (kv_cache.prefix_key)
+    prompt_token_ids: Sequence[int]
     inflight: Counter[str]  # this router's requests in flight per worker id
+    _keys: dict[int, list[int]] = field(default_factory=dict, compare=False)
+
+    def prefix_keys(self, block_size: int) -> list[int]:
+        """The prompt's chained block hashes at this block size, as workers publish them."""
+        if block_size not in self._keys:
+            hashes = block_hashes(self.prompt_token_ids, block_size)
+            self._keys[block_size] = [prefix_key(h) for h in hashes]
+        return self._keys[block_size]
 
 
 def load(w: WorkerRecord, ctx: PickContext) -> tuple[int, int]:
@@ -50,8 +59,18 @@ class RoundRobin(Policy):
 
 
 class LeastLoaded(Policy):
+    """Ties (common at low load) rotate, so back-to-back requests spread over equal workers."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
     def pick(self, workers: Sequence[WorkerRecord], ctx: PickContext) -> WorkerRecord:
-        return min(workers, key=lambda w: (load(w, ctx), w.worker_id))
+        loads = {w.worker_id: load(w, ctx)[0] for w in workers}
+        least = min(loads.values())
+        ties = sorted(
+            (w for w in workers if loads[w.worker_id] == least), key=lambda w: w.worker_id
+        )
+        return ties[next(self._turn) % len(ties)]
 
 
 class PowerOfTwo(Policy):
@@ -74,21 +93,11 @@ class PrefixAware(Policy):
         least = self._fallback.pick(workers, ctx)
         best, best_match = least, 0
         for w in workers:
-            match = matched_blocks(ctx.prefix_keys, set(w.prefix_hashes))
+            match = w.prefix_hit_blocks(ctx.prefix_keys(w.block_size))
             within = load(w, ctx)[0] - load(least, ctx)[0] <= self.max_extra_load
             if match > best_match and within:
                 best, best_match = w, match
         return best
-
-
-def matched_blocks(prefix_keys: Sequence[int], cached: set[int]) -> int:
-    """How many leading blocks of the prompt the worker has cached."""
-    n = 0
-    for key in prefix_keys:
-        if key not in cached:
-            break
-        n += 1
-    return n
 
 
 def make_policy(name: str) -> Policy:

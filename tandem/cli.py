@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tandem.bench.serve_cli import bench_serve, bench_sla
 from tandem.config import DEFAULT_MODEL
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -339,6 +340,11 @@ def _demo_request(http_url: str, model: str) -> None:
     console.print(f"[bold]assistant:[/bold] {reply['choices'][0]['message']['content']}")
 
 
+KVMemoryOpt = Annotated[float, typer.Option(help="KV cache memory, GiB.")]
+BlockSizeOpt = Annotated[int, typer.Option(help="KV block size, tokens.")]
+ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads on CPU.")]
+
+
 @worker_app.command("prefill")
 def worker_prefill(
     model: ModelOpt = DEFAULT_MODEL,
@@ -352,16 +358,24 @@ def worker_prefill(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     spec: Annotated[str | None, typer.Option(help="Ignored on prefill workers.")] = None,
+    kv_memory_gib: KVMemoryOpt = 1.0,
+    block_size: BlockSizeOpt = 16,
+    num_threads: ThreadsOpt = None,
 ) -> None:
     """A prefill worker: computes prompts and pushes their KV to decode workers."""
     from prefill_worker.server import build_server
+    from tandem.worker_server import drain_signal
 
-    config = _engine_config(model, dtype, device, None)
+    stop = drain_signal()
+    config = _engine_config(
+        model, dtype, device, None,
+        memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
+    )  # fmt: skip
     server = build_server(
         config, host, port, redis, metrics_port, channel, stream_layers, ttl_s=ttl
     )
     console.print(f"prefill worker {server.worker_id} on {server.endpoint}")
-    server.serve_until_signal()
+    server.serve_until(stop)
 
 
 @worker_app.command("decode")
@@ -376,14 +390,22 @@ def worker_decode(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     spec: Annotated[str | None, typer.Option(help="Speculative decoding: ngram.")] = None,
+    kv_memory_gib: KVMemoryOpt = 1.0,
+    block_size: BlockSizeOpt = 16,
+    num_threads: ThreadsOpt = None,
 ) -> None:
     """A decode worker: receives prompt KV and generates, with speculative decoding."""
     from decode_worker.server import build_server
+    from tandem.worker_server import drain_signal
 
-    config = _engine_config(model, dtype, device, spec)
+    stop = drain_signal()
+    config = _engine_config(
+        model, dtype, device, spec,
+        memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
+    )  # fmt: skip
     server = build_server(config, host, port, redis, metrics_port, on_transfer_failure, ttl_s=ttl)
     console.print(f"decode worker {server.worker_id} on {server.endpoint}")
-    server.serve_until_signal()
+    server.serve_until(stop)
 
 
 @bench_app.command("engine")
@@ -502,6 +524,10 @@ def bench_transfer(
     except BenchError as e:
         console.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
+
+
+bench_app.command("serve")(bench_serve)  # options in tandem/bench/serve_cli.py
+bench_app.command("sla")(bench_sla)
 
 
 if __name__ == "__main__":

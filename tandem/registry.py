@@ -81,6 +81,7 @@ class WorkerRecord:
     prefix_hashes: tuple[int, ...]
     started_at: float
     heartbeat_at: float
+    block_size: int = 16  # KV block size: prompts are hashed with it to match prefix_hashes
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -152,6 +153,7 @@ class WorkerRecord:
             prefix_hashes=tuple(d["prefix_hashes"]),
             started_at=float(d["started_at"]),
             heartbeat_at=float(d["heartbeat_at"]),
+            block_size=int(d.get("block_size", 16)),
         )
 
 

@@ -224,6 +224,7 @@ class WorkerServer:
             prefix_hashes=tuple(kv.cached_hash_summary(PREFIX_SUMMARY_SIZE)),
             started_at=self.started_at,
             heartbeat_at=time.time(),
+            block_size=kv.block_size,
         )
 
     def _beat(self) -> None:
@@ -264,18 +265,17 @@ class WorkerServer:
         if hasattr(self, "_httpd"):
             self._httpd.shutdown()
 
-    def serve_until_signal(self) -> None:
-        """Block; SIGTERM or SIGINT drains."""
-        done = threading.Event()
+    def serve_until(self, stop: threading.Event) -> None:
+        """Block until `stop` is set (see `drain_signal`), then drain."""
+        stop.wait()
+        log.info("draining")
+        self.drain()
 
-        def drain_then_exit() -> None:
-            self.drain()
-            done.set()
 
-        def on_signal(signum: int, _frame: object) -> None:
-            log.info("signal %d: draining", signum)
-            threading.Thread(target=drain_then_exit, daemon=True).start()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        done.wait()
+def drain_signal() -> threading.Event:
+    """An event that SIGTERM or SIGINT sets. Install it before the server starts and registers,
+    so a signal that arrives during startup still drains and deregisters."""
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    return stop

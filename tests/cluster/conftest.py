@@ -56,6 +56,7 @@ def smol(smollm2_path: Path) -> Iterator[LocalCluster]:
         http_port=0,
         grpc_port=0,
         router=RouterConfig(SMOL, decode_policy="round_robin"),
+        worker_args=["--kv-memory-gib", "0.25", "--num-threads", "1"],
     )
     with running(cluster):
         yield cluster
@@ -89,6 +90,7 @@ def tiny(tiny_long_path: Path) -> Iterator[LocalCluster]:
         grpc_port=0,
         heartbeat_ttl_s=TINY_TTL_S,
         router=RouterConfig(str(tiny_long_path)),  # the default policies
+        worker_args=["--kv-memory-gib", "0.1", "--num-threads", "1"],
     )
     with running(cluster):
         yield cluster

@@ -28,7 +28,9 @@ pytestmark = pytest.mark.timeout(300)
 
 ENGINE = {"num_blocks": 256, "block_size": 4, "num_threads": 1}
 MAX_TOKENS = 12
-PROMPTS = [[3 + (i * 7 + j * 13) % 250 for j in range(40 + 3 * i)] for i in range(6)]
+# Distinct from their first block on, so that prefix-aware routing does not pin them all to the
+# prefill worker that cached them first.
+PROMPTS = [[3 + (i * 7 + j * 13) % 250 for j in range(40 + 3 * (i % 6))] for i in range(48)]
 
 
 @pytest.fixture(scope="module")
@@ -181,6 +183,8 @@ def test_a_killed_worker_is_replaced_and_its_requests_fail_fast(
             break
         time.sleep(0.5)
     assert fresh, "no replacement decode worker registered"
+    snapshot = cluster.router_server.snapshot
+    assert snapshot.wait_for_refresh(5.0)  # the router has seen the replacement
     tokens, last = generate(stub, PROMPTS[1])
     assert tokens == reference[1]
     assert last.timings.decode_worker in fresh
