@@ -134,6 +134,10 @@ def serve(
     pin_pools: Annotated[
         bool, typer.Option(help="Place pools on nodes with tandem_prefill/tandem_decode.")
     ] = False,
+    kv_memory_gib: Annotated[float, typer.Option(help="KV cache per worker, GiB.")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
+    max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
+    num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.autoscaler import AutoscalerConfig
@@ -155,13 +159,20 @@ def serve(
         device = "cuda" if gpus_per_worker else "cpu"
         cluster = RayCluster(
             model, prefill, decode, address, redis, host, http_port, grpc_port,
-            engine={"dtype": dtype, "device": device}, decode_engine=decode_engine,
+            engine={
+                "dtype": dtype, "device": device, "memory_gib": kv_memory_gib,
+                "block_size": block_size, "max_num_seqs": max_num_seqs, "num_threads": num_threads,
+            },
+            decode_engine=decode_engine,
             prefill_pool=pools["prefill"], decode_pool=pools["decode"],
             autoscale=AutoscalerConfig() if autoscale else None, dry_run=dry_run,
             admin_token=admin_token,
         )  # fmt: skip
     else:
-        worker_args = ["--dtype", dtype] + (["--spec", spec] if spec else [])
+        worker_args = ["--dtype", dtype, "--kv-memory-gib", str(kv_memory_gib)]
+        worker_args += ["--block-size", str(block_size)] + (["--spec", spec] if spec else [])
+        if num_threads is not None:
+            worker_args += ["--num-threads", str(num_threads)]
         cluster = LocalCluster(
             model, prefill, decode, redis, host, http_port, grpc_port, worker_args=worker_args,
             admin_token=admin_token,

@@ -78,6 +78,9 @@ class WorkerActor:
     """One worker server inside a Ray actor process."""
 
     def __init__(self, role: str, spec: ClusterSpec) -> None:
+        # Workers publish their own address: with a wildcard host (a pod that binds 0.0.0.0),
+        # bind and advertise this node's IP, which routers and other workers can reach.
+        host = spec.host if spec.host not in ("", "0.0.0.0") else ray.util.get_node_ip_address()
         options = dict(spec.engine)
         if role == "decode":
             options.update(spec.decode_engine)
@@ -87,13 +90,13 @@ class WorkerActor:
             from prefill_worker.server import build_server as build_prefill
 
             self.server = build_prefill(
-                config, spec.host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
+                config, host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
             )
         else:
             from decode_worker.server import build_server as build_decode
 
             self.server = build_decode(
-                config, spec.host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
+                config, host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
             )
 
     def info(self) -> dict[str, str]:
