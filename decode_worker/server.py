@@ -15,7 +15,7 @@ from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import kv_transfer_pb2 as kvpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
-from tandem.worker_server import WorkerServer, worker_stats
+from tandem.worker_server import WorkerServer, start_worker_server, worker_stats
 
 TICKET_WAIT_S = 60.0  # a request waits this long at most for free blocks on this worker
 
@@ -96,19 +96,17 @@ def build_server(
         wpb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, model), server)
 
     name = wpb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
-    server = WorkerServer(
+    kv_endpoint = worker.receiver.endpoint
+    return start_worker_server(
         "decode",
         worker,
         model,
         add,
-        [name],
+        name,
         host,
         port,
         metrics_port,
         registry_url,
-        kv_endpoint=worker.receiver.endpoint,
-        ttl_s=ttl_s,
+        ttl_s,
+        kv_endpoint,
     )
-    worker.start()
-    server.start()
-    return server

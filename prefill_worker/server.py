@@ -11,7 +11,7 @@ from tandem.config import EngineConfig
 from tandem.messages import sampling_from_proto
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
-from tandem.worker_server import WorkerServer, worker_stats
+from tandem.worker_server import WorkerServer, start_worker_server, worker_stats
 
 # How a failed transfer reaches the router (which retries another worker on the retryable ones).
 TRANSFER_STATUS = {
@@ -90,9 +90,6 @@ def build_server(
         wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, model), server)
 
     name = wpb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
-    server = WorkerServer(
-        "prefill", worker, model, add, [name], host, port, metrics_port, registry_url, ttl_s=ttl_s
+    return start_worker_server(
+        "prefill", worker, model, add, name, host, port, metrics_port, registry_url, ttl_s
     )
-    worker.start()
-    server.start()
-    return server

@@ -16,9 +16,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 models_app = typer.Typer(no_args_is_help=True, help="Manage local models.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
 app.add_typer(models_app, name="models")
-worker_app = typer.Typer(no_args_is_help=True, help="Run one worker (prefill or decode).")
 app.add_typer(bench_app, name="bench")
-app.add_typer(worker_app, name="worker")
 console = Console()
 
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
@@ -351,71 +349,49 @@ def _demo_request(http_url: str, model: str) -> None:
     console.print(f"[bold]assistant:[/bold] {reply['choices'][0]['message']['content']}")
 
 
-KVMemoryOpt = Annotated[float, typer.Option(help="KV cache memory, GiB.")]
-BlockSizeOpt = Annotated[int, typer.Option(help="KV block size, tokens.")]
-ThreadsOpt = Annotated[int | None, typer.Option(help="torch threads on CPU.")]
-
-
-@worker_app.command("prefill")
-def worker_prefill(
+@app.command()
+def worker(
+    role: Annotated[str, typer.Argument(help="prefill | decode")],
     model: ModelOpt = DEFAULT_MODEL,
     host: str = "127.0.0.1",
     port: int = 0,
     redis: Annotated[str | None, typer.Option(help="Registry URL.")] = None,
     metrics_port: int = 0,
-    channel: Annotated[str, typer.Option(help="KV channel: auto|grpc|pair|shm")] = "auto",
-    stream_layers: bool = True,
     ttl: Annotated[float, typer.Option(help="Registry heartbeat TTL, seconds.")] = 3.0,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
-    spec: Annotated[str | None, typer.Option(help="Ignored on prefill workers.")] = None,
-    kv_memory_gib: KVMemoryOpt = 1.0,
-    block_size: BlockSizeOpt = 16,
-    num_threads: ThreadsOpt = None,
+    kv_memory_gib: Annotated[float, typer.Option(help="KV cache memory, GiB.")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
+    num_threads: Annotated[int | None, typer.Option(help="torch threads on CPU.")] = None,
+    spec: Annotated[str | None, typer.Option(help="decode: speculative decoding (ngram).")] = None,
+    on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
+    channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
+    stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
 ) -> None:
-    """A prefill worker: computes prompts and pushes their KV to decode workers."""
-    from prefill_worker.server import build_server
+    """One worker: `prefill` computes prompts and pushes their KV to decode workers; `decode`
+    receives it and generates, with speculative decoding. SIGTERM drains it."""
     from tandem.worker_server import drain_signal
 
-    stop = drain_signal()
+    if role not in ("prefill", "decode"):
+        raise typer.BadParameter("must be prefill or decode", param_hint="ROLE")
+    stop = drain_signal()  # before registering: a signal during startup still drains
     config = _engine_config(
-        model, dtype, device, None,
+        model, dtype, device, spec if role == "decode" else None,
         memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
     )  # fmt: skip
-    server = build_server(
-        config, host, port, redis, metrics_port, channel, stream_layers, ttl_s=ttl
-    )
-    console.print(f"prefill worker {server.worker_id} on {server.endpoint}")
-    server.serve_until(stop)
+    if role == "prefill":
+        from prefill_worker.server import build_server as build_prefill
 
+        server = build_prefill(
+            config, host, port, redis, metrics_port, channel, stream_layers, ttl_s=ttl
+        )
+    else:
+        from decode_worker.server import build_server as build_decode
 
-@worker_app.command("decode")
-def worker_decode(
-    model: ModelOpt = DEFAULT_MODEL,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    redis: Annotated[str | None, typer.Option(help="Registry URL.")] = None,
-    metrics_port: int = 0,
-    on_transfer_failure: Annotated[str, typer.Option(help="local | fail")] = "local",
-    ttl: Annotated[float, typer.Option(help="Registry heartbeat TTL, seconds.")] = 3.0,
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
-    spec: Annotated[str | None, typer.Option(help="Speculative decoding: ngram.")] = None,
-    kv_memory_gib: KVMemoryOpt = 1.0,
-    block_size: BlockSizeOpt = 16,
-    num_threads: ThreadsOpt = None,
-) -> None:
-    """A decode worker: receives prompt KV and generates, with speculative decoding."""
-    from decode_worker.server import build_server
-    from tandem.worker_server import drain_signal
-
-    stop = drain_signal()
-    config = _engine_config(
-        model, dtype, device, spec,
-        memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
-    )  # fmt: skip
-    server = build_server(config, host, port, redis, metrics_port, on_transfer_failure, ttl_s=ttl)
-    console.print(f"decode worker {server.worker_id} on {server.endpoint}")
+        server = build_decode(
+            config, host, port, redis, metrics_port, on_transfer_failure, ttl_s=ttl
+        )
+    console.print(f"{role} worker {server.worker_id} on {server.endpoint}")
     server.serve_until(stop)
 
 

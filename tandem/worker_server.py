@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -279,3 +279,35 @@ def drain_signal() -> threading.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
     return stop
+
+
+def start_worker_server(
+    role: str,
+    worker: Any,
+    model: str,
+    add_servicer: Callable[[grpc.Server], None],
+    service_name: str,
+    host: str,
+    port: int,
+    metrics_port: int | None,
+    registry_url: str | None,
+    ttl_s: float,
+    kv_endpoint: str = "",
+) -> WorkerServer:
+    """Start the worker's engine loop, then its server (which registers it)."""
+    server = WorkerServer(
+        role,
+        worker,
+        model,
+        add_servicer,
+        [service_name],
+        host,
+        port,
+        metrics_port,
+        registry_url,
+        kv_endpoint=kv_endpoint,
+        ttl_s=ttl_s,
+    )
+    worker.start()
+    server.start()
+    return server
