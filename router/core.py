@@ -174,9 +174,12 @@ class Router:
                     f"messages[{i}] needs a role (system, user, assistant) and string content",
                     "messages",
                 )
-        text = self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=True, tokenize=False
-        )
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=True, tokenize=False
+            )
+        except ValueError as e:  # e.g. a model without a chat template
+            raise invalid(f"messages cannot be rendered for this model: {e}", "messages") from None
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # -- generate -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router.core import Delta, Router
 from router.errors import RouterError, invalid
+from router.metrics import RouterMetrics
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc
 
@@ -59,8 +60,9 @@ async def _abort_with(context: grpc.aio.ServicerContext, e: RouterError) -> None
 
 
 class TandemServicer(api_pb2_grpc.TandemServicer):
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, metrics: RouterMetrics) -> None:
         self.router = router
+        self.metrics = metrics
 
     async def Generate(
         self, request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -79,7 +81,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 speculative=request.speculative if request.HasField("speculative") else None,
                 **_prepare_args(request),
             )
-            async for delta in self.router.generate(prep):
+            async for delta in self.metrics.observe(self.router.generate(prep)):
                 yield delta_to_proto(prep.request_id, delta)
         except RouterError as e:
             await _abort_with(context, e)
@@ -169,11 +171,15 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 
 async def build_grpc_server(
-    router: Router, address: str, admin_token: str | None = None, controller: Any = None
+    router: Router,
+    address: str,
+    metrics: RouterMetrics,
+    admin_token: str | None = None,
+    controller: Any = None,
 ) -> tuple[grpc.aio.Server, int]:
     """The router's gRPC server (public + admin + health + reflection), not yet started."""
     server = grpc.aio.server()
-    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(router), server)
+    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(router, metrics), server)
     admin_pb2_grpc.add_AdminServicer_to_server(
         AdminServicer(router, admin_token, controller), server
     )

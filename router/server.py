@@ -18,6 +18,7 @@ import uvicorn
 from router.core import Router, RouterConfig
 from router.grpc_api import build_grpc_server
 from router.http_api import build_app
+from router.metrics import RouterMetrics
 from tandem.registry import Registry, RegistrySnapshot
 
 log = logging.getLogger(__name__)
@@ -74,11 +75,16 @@ class RouterServer:
 
     async def _serve(self) -> None:
         self.router = Router(self.config, self.snapshot)
+        metrics = RouterMetrics(self.router)  # one set for both APIs
         grpc_server, grpc_port = await build_grpc_server(
-            self.router, f"{self.host}:{self._grpc_port}", self.admin_token, self.controller
+            self.router,
+            f"{self.host}:{self._grpc_port}",
+            metrics,
+            self.admin_token,
+            self.controller,
         )
         await grpc_server.start()
-        app = build_app(self.router, admin_token=self.admin_token, controller=self.controller)
+        app = build_app(self.router, metrics, self.admin_token, self.controller)
         config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
         http_port = self._http_socket.getsockname()[1]

@@ -104,6 +104,23 @@ def worker_metrics(role: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
             "tandem_spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens
         )
         yield gauge("tandem_spec_acceptance_rate", "Accepted / draft tokens", spec.acceptance_rate)
+        drafted = CounterMetricFamily(
+            "tandem_spec_drafted_per_position",
+            "Drafts proposed at each position",
+            labels=["role", "position"],
+        )
+        accepted = CounterMetricFamily(
+            "tandem_spec_accepted_per_position",
+            "Drafts accepted at each position",
+            labels=["role", "position"],
+        )
+        for i, (d, a) in enumerate(
+            zip(spec.drafted_per_position, spec.accepted_per_position, strict=True)
+        ):
+            drafted.add_metric([role, str(i)], d)
+            accepted.add_metric([role, str(i)], a)
+        yield drafted
+        yield accepted
         transfers = worker.transfer_metrics
         yield counter("tandem_kv_transfers", "KV transfers completed", transfers.completed)
         yield counter("tandem_kv_transfer_bytes", "KV bytes transferred", transfers.nbytes)
