@@ -41,8 +41,8 @@ the worker exports tandem_spec_{drafted,accepted}_per_position_total{position}),
 bytes, seconds and GB/s, prefix-cache hits; and the KV leak check: after the point, the workers
 are polled until every one has tandem_kv_blocks_free == tandem_kv_blocks_total and no request
 left (OK), or `leak_wait_s` passes (LEAK). It assumes this client is the cluster's only traffic.
-Over gRPC the last message's timings add the exposed KV transfer time per request (prefill end to decode
-admission) and per-request draft/accepted tokens.
+Over gRPC the last message's timings add the exposed KV transfer time per request (prefill end
+to decode admission) and per-request draft/accepted tokens.
 
 Statistics: `summarize` over the measured window (`measured`: sent after the warm-up, finished
 before the cool-down): count, mean, std, min, max, p50/p90/p95/p99 by linear interpolation
