@@ -27,7 +27,7 @@ test: install lint
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy tandem kv_transfer
+	$(VENV)/bin/mypy tandem kv_transfer router prefill_worker decode_worker
 
 bench: install
 	$(VENV)/bin/tandem models pull smollm2-135m

@@ -363,6 +363,8 @@ def worker(
     kv_memory_gib: Annotated[float, typer.Option(help="KV cache memory, GiB.")] = 1.0,
     block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
     num_threads: Annotated[int | None, typer.Option(help="torch threads on CPU.")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step.")] = 2048,
+    chunked_prefill: Annotated[bool, typer.Option(help="Split long prompts over steps.")] = True,
     spec: Annotated[str | None, typer.Option(help="decode: speculative decoding (ngram).")] = None,
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
     channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
@@ -378,6 +380,7 @@ def worker(
     config = _engine_config(
         model, dtype, device, spec if role == "decode" else None,
         memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
+        max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
     )  # fmt: skip
     if role == "prefill":
         from prefill_worker.server import build_server as build_prefill
