@@ -32,6 +32,7 @@ lint: install
 bench: install
 	$(VENV)/bin/tandem models pull smollm2-135m
 	$(VENV)/bin/tandem bench engine --json bench-results/engine.json
+	$(VENV)/bin/tandem bench transfer --json bench-results/transfer.json
 
 proto: install
 	$(PY) -m tandem.protogen
