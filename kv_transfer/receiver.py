@@ -322,6 +322,7 @@ class KVReceiver:
         partial: dict[int, tuple[bytearray, int]] = {}  # gRPC plane: layer -> (bytes, filled)
         done: set[int] = set()
         pair = self.pairs.get(header.pair_id) if self.pairs is not None else None
+        staging: torch.Tensor | None = None  # pair plane: [2, num_tokens, heads, dim]
         for chunk in requests:
             part = chunk.WhichOneof("part")
             if part == "trailer":
@@ -357,7 +358,8 @@ class KVReceiver:
             elif header.data_plane == pb.DATA_PLANE_PAIR:
                 if pair is None:
                     raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
-                staging = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)
+                if staging is None:  # one buffer for every layer: layers arrive one at a time
+                    staging = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)
                 pair.recv(staging, header.tag_base + msg.layer, res.status.remaining())
                 self._write(res, msg.layer, staging)
             # DATA_PLANE_SHM: the sender has written the layer into our blocks itself.
