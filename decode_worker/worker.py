@@ -113,6 +113,7 @@ class DecodeWorker(EngineLoop):
         self._streams: dict[str, OutputStream] = {}
         self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
         self._cancelling: set[str] = set()
+        self._held: list[tuple[float, Arrival]] = []  # sim engine: arrivals still "in flight"
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -151,8 +152,22 @@ class DecodeWorker(EngineLoop):
     # -- loop thread --------------------------------------------------------------------------
 
     def before_step(self) -> None:
-        for arrival in self.receiver.poll():
-            self._arrived(arrival)
+        sim = self.engine.sim
+        if sim is None:
+            for arrival in self.receiver.poll():
+                self._arrived(arrival)
+            return
+        # A simulated engine's KV is tiny: admit it once the modelled transfer would be done.
+        now = time.monotonic()
+        for a in self.receiver.poll():
+            req = self.engine.scheduler.parked.get(a.request_key)
+            tokens = req.num_prompt_tokens if req is not None else 0
+            self._held.append((now + max(sim.transfer_s(tokens) - a.seconds, 0.0), a))
+        if self._held:
+            due = [a for t, a in self._held if t <= now]
+            self._held = [(t, a) for t, a in self._held if t > now]
+            for a in due:
+                self._arrived(a)
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
         self._issue_tickets()

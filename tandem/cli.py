@@ -9,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tandem.bench.experiment_cli import bench_experiment
 from tandem.bench.serve_cli import bench_serve, bench_sla
+from tandem.bench.sim_cli import register_sim_commands
 from tandem.config import DEFAULT_MODEL
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -136,6 +138,8 @@ def serve(
     block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
     max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
     num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
+    engine: Annotated[str, typer.Option(help="--no-ray: real | sim workers.")] = "real",
+    sim_profile: Annotated[str | None, typer.Option(help="sim: profile JSON.")] = None,
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.autoscaler import AutoscalerConfig
@@ -171,6 +175,8 @@ def serve(
         worker_args += ["--block-size", str(block_size)] + (["--spec", spec] if spec else [])
         if num_threads is not None:
             worker_args += ["--num-threads", str(num_threads)]
+        worker_args += ["--engine", engine]
+        worker_args += ["--sim-profile", sim_profile] if sim_profile else []
         cluster = LocalCluster(
             model, prefill, decode, redis, host, http_port, grpc_port, worker_args=worker_args,
             admin_token=admin_token,
@@ -369,6 +375,10 @@ def worker(
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
     channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
     stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
+    engine: Annotated[str, typer.Option(help="real | sim (modelled step times).")] = "real",
+    sim_profile: Annotated[
+        str | None, typer.Option(help="sim: profile JSON (tandem bench calibrate).")
+    ] = None,
 ) -> None:
     """One worker: `prefill` computes prompts and pushes their KV to decode workers; `decode`
     receives it and generates, with speculative decoding. SIGTERM drains it."""
@@ -381,6 +391,7 @@ def worker(
         model, dtype, device, spec if role == "decode" else None,
         memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
         max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
+        engine=engine, sim_profile=sim_profile,
     )  # fmt: skip
     if role == "prefill":
         from prefill_worker.server import build_server as build_prefill
@@ -518,6 +529,8 @@ def bench_transfer(
 
 bench_app.command("serve")(bench_serve)  # options in tandem/bench/serve_cli.py
 bench_app.command("sla")(bench_sla)
+register_sim_commands(bench_app)  # calibrate, router, sim-cluster: tandem/bench/sim_cli.py
+bench_app.command("experiment")(bench_experiment)  # tandem/bench/experiment_cli.py
 
 
 if __name__ == "__main__":

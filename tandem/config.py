@@ -28,8 +28,12 @@ class ModelSettings:
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    engine: str = "real"  # "real" | "sim" (tandem/engine/sim.py: modelled step times)
+    sim_profile: str | None = None  # sim: a profile JSON (`tandem bench calibrate`); None: zero
 
     def __post_init__(self) -> None:
+        if self.engine not in ("real", "sim"):
+            raise ValueError(f"engine must be 'real' or 'sim', got {self.engine!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:

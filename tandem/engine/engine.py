@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from tandem import hub
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, ModelSettings
 from tandem.engine.attention import TorchSDPABackend
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.models import load_model
+from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.loader import load_config
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.runner import ModelRunner, TokenLogprobs
 from tandem.engine.sampler import request_generator
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
+from tandem.engine.sim import SimModel, SimProfile, SimRunner
 from tandem.engine.spec.adaptive import num_draft_tokens
 from tandem.engine.spec.ngram import NgramProposer
 
@@ -38,6 +42,12 @@ class RequestDelta:
         return self.request.status.finished
 
 
+def kv_bytes_per_token(cfg: ModelConfig, settings: ModelSettings) -> int:
+    """KV bytes one token takes in the real model's layout and the engine's dtype."""
+    itemsize = torch.empty((), dtype=settings.torch_dtype).element_size()
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
         self.config = config
@@ -46,15 +56,25 @@ class EngineCore:
             torch.set_num_threads(mc.num_threads)
         self.model_path = hub.resolve(mc.model)
         block_size = config.cache.block_size
-        self.model = load_model(
-            self.model_path, TorchSDPABackend, block_size, mc.torch_dtype, mc.torch_device
-        )
+        self.model: LlamaForCausalLM | SimModel
+        self.sim: SimProfile | None = None  # the timing model of a simulated engine
+        if mc.engine == "sim":  # the real config and tokenizer, no weights
+            self.sim = SimProfile.load(mc.sim_profile)
+            real = load_config(self.model_path)
+            self.model = SimModel.of(real, self.sim.sim_layers)
+            if not self.sim.kv_bytes_per_token:
+                self.sim = replace(self.sim, kv_bytes_per_token=kv_bytes_per_token(real, mc))
+            bytes_per_block = self.sim.kv_bytes_per_token * block_size
+        else:
+            self.model = load_model(
+                self.model_path, TorchSDPABackend, block_size, mc.torch_dtype, mc.torch_device
+            )
+            bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, mc.torch_dtype)
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = min(
             mc.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
         )
-        bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, mc.torch_dtype)
         num_blocks = config.cache.num_blocks or max(
             1, int(config.cache.memory_gib * 2**30) // bytes_per_block
         )
@@ -62,9 +82,21 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache, self.max_model_len, cfg.eos_token_ids, role
         )
-        self.runner = ModelRunner(
-            self.model, num_blocks, block_size, mc.torch_dtype, mc.torch_device, cfg.eos_token_ids
-        )
+        self.runner: ModelRunner | SimRunner
+        if isinstance(self.model, SimModel):
+            assert self.sim is not None
+            self.runner = SimRunner(
+                self.sim, num_blocks, block_size, cfg.vocab_size, cfg.eos_token_ids
+            )
+        else:
+            self.runner = ModelRunner(
+                self.model,
+                num_blocks,
+                block_size,
+                mc.torch_dtype,
+                mc.torch_device,
+                cfg.eos_token_ids,
+            )
         spec = config.spec
         self.proposer = (
             NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
