@@ -5,7 +5,7 @@
   travels to a decode worker, with and without speculative decoding.
 - Conditional disaggregation: a short prompt skips the prefill worker.
 - Cancellation: a client that closes its SSE connection, or cancels its gRPC call, frees the
-  request's KV blocks on both workers within a second or two.
+  request's KV blocks on both workers within a second.
 - Errors: bad input gets the documented error naming the field over both APIs, before any worker
   is involved; overload gets 429 / RESOURCE_EXHAUSTED with a retry hint; a router without workers
   answers 503 / UNAVAILABLE; the workers keep serving afterwards.
@@ -218,7 +218,7 @@ def test_closing_the_sse_stream_frees_the_request(smol: LocalCluster) -> None:
             assert event["choices"][0]["finish_reason"] is None
         assert_running_somewhere(smol)
     # The connection is closed: the router cancels both calls, the workers free the blocks.
-    wait_workers_idle(all_workers, 2.0)
+    wait_workers_idle(all_workers, 1.0)
     wait_router_idle(smol)
 
 
@@ -231,7 +231,7 @@ def test_cancelling_the_grpc_call_frees_the_request(smol: LocalCluster) -> None:
             assert not next(call).finish_reason
         assert_running_somewhere(smol)
         call.cancel()
-        wait_workers_idle(all_workers, 2.0)
+        wait_workers_idle(all_workers, 1.0)
     wait_router_idle(smol)
 
 
