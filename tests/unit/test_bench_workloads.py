@@ -289,7 +289,7 @@ def test_closed_loop_never_exceeds_its_concurrency(concurrency: int) -> None:
     assert all(s.timeline.ok and s.timeline.queue_s >= 0 for s in sents)
     # Everyone is ready at the start: later requests waited longer for a slot.
     assert sents[-1].timeline.queue_s > sents[concurrency].timeline.queue_s
-    assert all(s.timeline.queue_s < 0.05 for s in sents[:concurrency])
+    assert all(s.timeline.queue_s < 0.5 for s in sents[:concurrency])  # no wait for a slot
 
 
 def test_open_loop_with_a_cap_and_a_duration() -> None:
@@ -307,8 +307,9 @@ def test_open_loop_with_a_cap_and_a_duration() -> None:
         drive(plan(pool, closed, None, 0.3, 0), server.send, closed, duration_s=0.3)
     )
     elapsed = time.perf_counter() - start
-    assert 0.3 <= elapsed < 1.0
-    assert len(sents) > 10 and all(s.timeline.send_time - start < 0.3 for s in sents)
+    assert 0.3 <= elapsed < 2.0  # stops soon after the duration (generous: a loaded machine)
+    sent_at = [s.timeline.send_time for s in sents]
+    assert len(sents) > 10 and max(sent_at) - min(sent_at) < 0.3  # nothing sent after it
 
 
 def test_closed_loop_ramp_up_opens_slots_over_time() -> None:
@@ -316,7 +317,7 @@ def test_closed_loop_ramp_up_opens_slots_over_time() -> None:
     point = LoadPoint(concurrency=4, ramp_up_s=0.4)
     sents = asyncio.run(drive(plan(_pool(200), point, None, 0.6, 0), server.send, point, 0.6))
     start = min(s.timeline.send_time for s in sents)
-    early = [s for s in sents if s.timeline.send_time - start < 0.05]
+    early = [s for s in sents if s.timeline.send_time - start < 0.02]
     assert early and server.max_inflight == 4
 
     # Before 0.1 s only one slot is open: no two of those requests overlap.
