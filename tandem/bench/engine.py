@@ -61,10 +61,11 @@ from typing import Any
 import torch
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
+from tandem.bench.common import progress_bar
 from tandem.config import DEFAULT_MODEL, DTYPES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -439,7 +440,7 @@ def run_engine_bench(
         "results": {},
     }
     per_dtype_units = 2 + config.rounds * (2 * config.prompts_per_round + 5)
-    with _quiet_transformers(), _progress(console) as progress:
+    with _quiet_transformers(), progress_bar(console) as progress:
         task = progress.add_task("loading weights", total=per_dtype_units * len(config.dtypes))
         state = dict(iter_weights(model_path))
         for dtype in config.dtypes:
@@ -712,18 +713,6 @@ def _git_state() -> tuple[str | None, bool | None]:
 
 
 # --- output -------------------------------------------------------------------------------
-
-
-@contextmanager
-def _progress(console: Console) -> Iterator[Progress]:
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        yield progress
 
 
 @contextmanager

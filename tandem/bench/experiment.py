@@ -79,6 +79,7 @@ from rich.table import Table
 
 from router.core import RouterConfig
 from router.server import RouterAddress
+from tandem.bench.common import passive_omp
 from tandem.bench.engine import BenchError, machine_info
 from tandem.bench.serve import (
     GrpcClient,
@@ -87,8 +88,6 @@ from tandem.bench.serve import (
     PointResult,
     ServeConfig,
     ServerMetrics,
-    _finish,
-    _timings,
     model_info,
     run_point,
     server_deltas,
@@ -134,20 +133,6 @@ class Deployment:
 
 
 @contextmanager
-def _passive_omp() -> Iterator[None]:
-    """Workers start with OMP_WAIT_POLICY=PASSIVE unless it is set: on a 2-core machine spinning
-    OpenMP threads of one process starve the other."""
-    key = "OMP_WAIT_POLICY"
-    had = key in os.environ
-    os.environ.setdefault(key, "PASSIVE")
-    try:
-        yield
-    finally:
-        if not had:
-            del os.environ[key]
-
-
-@contextmanager
 def local_cluster(
     model: str, deployment: Deployment, worker_args: Sequence[str], timeout_s: float
 ) -> Iterator[RouterAddress]:
@@ -164,7 +149,7 @@ def local_cluster(
         router=RouterConfig(model, local_prefill_tokens=deployment.local_prefill_tokens),
     )
     try:
-        with _passive_omp():
+        with passive_omp():
             address = cluster.start(timeout_s=timeout_s)
         yield address
     finally:
@@ -175,25 +160,7 @@ class TokenGrpcClient(GrpcClient):
     """The harness's gRPC client, also keeping each request's output token ids
     (`extra["token_ids"]`) so that greedy outputs can be compared across clusters."""
 
-    async def send(self, request: BenchRequest, timeline: Timeline) -> dict[str, Any]:
-        msg = self.message(request)
-        extra: dict[str, Any] = {"finish_reason": None}
-        tokens: list[int] = []
-        timeline.send_time = time.perf_counter()
-        try:
-            async for response in self.stub.Generate(msg, timeout=self.config.timeout_s):
-                timeline.chunks.append((time.perf_counter(), len(response.token_ids)))
-                tokens.extend(response.token_ids)
-                if response.finish_reason:
-                    extra["finish_reason"] = response.finish_reason
-                    timeline.prompt_tokens = response.usage.prompt_tokens
-                    timeline.output_tokens = response.usage.completion_tokens
-                    extra["server"] = _timings(response.timings)
-        except grpc.aio.AioRpcError as e:
-            timeline.error = e.code().name
-        extra["token_ids"] = tokens
-        _finish(timeline, extra)
-        return extra
+    keep_token_ids = True
 
 
 @dataclass

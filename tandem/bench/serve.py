@@ -63,8 +63,8 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -73,8 +73,9 @@ import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
+from tandem.bench.common import progress_bar
 from tandem.bench.engine import BenchError, machine_info
 from tandem.bench.serve_report import print_tables, sla_table, write_outputs
 from tandem.bench.serving_metrics import SLO, Stats, Summary, Timeline, measured, summarize
@@ -305,13 +306,18 @@ class GrpcClient:
             msg.prompt_token_ids.ids.extend(request.prompt_token_ids)
         return msg
 
+    keep_token_ids = False  # also return each request's output token ids (extra["token_ids"])
+
     async def send(self, request: BenchRequest, timeline: Timeline) -> dict[str, Any]:
         msg = self.message(request)
         extra: dict[str, Any] = {"finish_reason": None}
+        tokens: list[int] = []
         timeline.send_time = time.perf_counter()
         try:
             async for response in self.stub.Generate(msg, timeout=self.config.timeout_s):
                 timeline.chunks.append((time.perf_counter(), len(response.token_ids)))
+                if self.keep_token_ids:
+                    tokens.extend(response.token_ids)
                 if response.finish_reason:
                     extra["finish_reason"] = response.finish_reason
                     timeline.prompt_tokens = response.usage.prompt_tokens
@@ -319,6 +325,8 @@ class GrpcClient:
                     extra["server"] = _timings(response.timings)
         except grpc.aio.AioRpcError as e:
             timeline.error = e.code().name
+        if self.keep_token_ids:
+            extra["token_ids"] = tokens
         _finish(timeline, extra)
         return extra
 
@@ -817,7 +825,7 @@ async def _run_points(
         info = await model_info(config, http, client)
         pool = build_workload(config.workload, info.vocab_size, info.max_model_len)
         results: list[PointResult] = []
-        with _progress(console) as progress:
+        with progress_bar(console) as progress:
             for point in points:
                 results.append(await run_point(config, pool, point, client, server, progress))
         return info, pool, results
@@ -929,7 +937,7 @@ async def _sla_search(
         info = await model_info(config, http, client)
         pool = build_workload(config.workload, info.vocab_size, info.max_model_len)
         queue = sorted(rates)
-        with _progress(console) as progress:
+        with progress_bar(console) as progress:
             while True:
                 rate = queue.pop(0) if rates and queue else None
                 if not rates:
@@ -987,18 +995,3 @@ def run_sla_bench(
         write_outputs(Path(config.out), report, pool, results, config.plots)
         console.print(f"[dim]wrote {config.out}[/dim]")
     return report
-
-
-# --- progress ---------------------------------------------------------------------------
-
-
-@contextmanager
-def _progress(console: Console) -> Iterator[Progress]:
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        yield progress

@@ -58,8 +58,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
@@ -69,10 +68,11 @@ from typing import Any
 import torch
 from rich import box
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from kv_transfer.ticket import KVLayout, KVTicket
+from tandem.bench.common import passive_omp, progress_bar
 from tandem.bench.engine import BenchError, machine_info, stats
 from tandem.config import DEFAULT_MODEL, DTYPES
 
@@ -663,7 +663,7 @@ class Child:
             name=name,
             daemon=True,
         )
-        with _child_environment():
+        with passive_omp():
             self.process.start()
         child_conn.close()
 
@@ -698,20 +698,6 @@ class Child:
             self.process.terminate()
             self.process.join(5)
         self.conn.close()
-
-
-@contextmanager
-def _child_environment() -> Iterator[None]:
-    """Children start with OMP_WAIT_POLICY=PASSIVE unless it is set: on a 2-core machine the
-    spinning OpenMP threads of one process starve the other."""
-    key = "OMP_WAIT_POLICY"
-    had = key in os.environ
-    os.environ.setdefault(key, "PASSIVE")
-    try:
-        yield
-    finally:
-        if not had:
-            del os.environ[key]
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -752,7 +738,7 @@ def run_transfer_bench(
     units = (len(devices.channels) + len(references)) * (
         1 + config.reps * len(config.prompt_tokens)
     ) + len(exposed) * 2 * (1 + config.exposed_reps * len(config.exposed_tokens))
-    with _progress(console) as progress:
+    with progress_bar(console) as progress:
         task = progress.add_task("starting", total=units)
         report["throughput"] = _bench_channels(
             ctx, config, devices, layout, references, progress, task
@@ -1039,18 +1025,6 @@ def check_targets(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # --- output -------------------------------------------------------------------------------
-
-
-@contextmanager
-def _progress(console: Console) -> Iterator[Progress]:
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        yield progress
 
 
 def _fmt(s: dict[str, float], scale: float = 1.0, spread: bool = True) -> str:
