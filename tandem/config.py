@@ -80,21 +80,29 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+SPEC_METHODS = ("ngram", "draft", "layerskip", "medusa", "eagle")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding; `method=None` turns it off."""
 
-    method: str | None = None  # "ngram"
+    method: str | None = None  # one of SPEC_METHODS
     num_speculative_tokens: int = 5
     ngram_min: int = 1
     ngram_max: int = 4
+    draft_model: str | None = None  # draft: catalogue name, HF directory or .gguf path
+    num_layers: int | None = None  # layerskip: the target's first N layers draft
+    path: str | None = None  # medusa / eagle: directory of the trained heads
     disable_batch_size: int = 32  # no drafts once this many requests run; fewer as it nears
 
     def __post_init__(self) -> None:
         if self.disable_batch_size < 1:
             raise ValueError(f"disable_batch_size must be >= 1, got {self.disable_batch_size}")
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"speculative method must be 'ngram' or None, got {self.method!r}")
+        if self.method not in (None, *SPEC_METHODS):
+            raise ValueError(
+                f"speculative method must be one of {SPEC_METHODS} or None, got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
@@ -103,6 +111,16 @@ class SpecConfig:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
             )
+        needs = {
+            "draft": "draft_model",
+            "layerskip": "num_layers",
+            "medusa": "path",
+            "eagle": "path",
+        }
+        if self.method in needs and getattr(self, needs[self.method]) is None:
+            raise ValueError(f"speculative method {self.method!r} needs {needs[self.method]!r}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,9 @@ class EngineConfig:
         **overrides: Any,
     ) -> EngineConfig:
         """Flat keyword form (`dtype=`, `block_size=`, `max_num_seqs=`...) routed to its section;
-        `speculative={"method": "ngram", "num_speculative_tokens": 5}` as in vLLM."""
+        `speculative={"method": "ngram", "num_speculative_tokens": 5}` as in vLLM (also
+        `"draft"` with `"draft_model"`, `"layerskip"` with `"num_layers"`, `"medusa"`/`"eagle"`
+        with `"path"`)."""
         sections: dict[str, dict[str, Any]] = {
             "model": {"model": model},
             "cache": {},

@@ -6,6 +6,7 @@ No tokenizer and no network here: the offline API (`llm.py`) and the workers wra
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -26,7 +27,8 @@ from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.sim import SimModel, SimProfile, SimRunner
 from tandem.engine.spec.adaptive import num_draft_tokens
-from tandem.engine.spec.ngram import NgramProposer
+from tandem.engine.spec.factory import make_proposer
+from tandem.engine.spec.proposer import Proposer, StepHidden
 
 
 @dataclass
@@ -97,12 +99,9 @@ class EngineCore:
                 mc.torch_device,
                 cfg.eos_token_ids,
             )
-        spec = config.spec
-        self.proposer = (
-            NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-            if spec.method == "ngram"
-            else None
-        )
+        self.proposer: Proposer | None = None
+        if config.spec.method is not None:
+            self.proposer = make_proposer(config.spec, self.runner, self.kv_cache, mc)
 
     def add_request(
         self,
@@ -153,6 +152,8 @@ class EngineCore:
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
     ) -> None:
         self.scheduler.finish(request_id, status)
+        if self.proposer is not None:
+            self.proposer.release(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -165,18 +166,25 @@ class EngineCore:
             s.request.request_id: self.kv_cache.block_table(s.request.request_id)
             for s in out.scheduled
         }
+        verifying = any(sr.draft_token_ids for sr in out.scheduled)
+        start = time.perf_counter()
         result = self.runner.execute(out, tables, self._layer_hook(out))
         changed = self.scheduler.update(out, result.tokens)
-        if self.proposer is not None:
-            batch_size = len(self.scheduler.running)
-            for req in self.scheduler.running:
-                req.spec_token_ids = self._propose(req, batch_size)
-        return [
-            RequestDelta(
-                r, kept, [result.logprobs[r.request_id]] if r.request_id in result.logprobs else []
-            )
+        deltas = [
+            RequestDelta(r, kept, result.logprobs.get(r.request_id, [])[: len(kept)])
             for r, kept in changed
         ]
+        if self.proposer is not None:
+            stats = self.scheduler.spec_stats
+            if verifying:
+                stats.verify_seconds += time.perf_counter() - start
+            for delta in deltas:
+                if delta.finished:
+                    self.proposer.release(delta.request.request_id)
+            start = time.perf_counter()
+            self._propose(self.proposer, result.hidden)
+            stats.propose_seconds += time.perf_counter() - start
+        return deltas
 
     def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:
         """The role's per-layer callback for the prompts that complete in this step, if any."""
@@ -192,22 +200,31 @@ class EngineCore:
         ]
         return (lambda layer: role.prompt_layer_computed(layer, done)) if done else None
 
-    def _propose(self, req: Request, batch_size: int) -> list[int]:
-        """Drafts for a decoding request's next step, as many as its acceptance and the batch
-        size warrant, never past max_tokens or the context."""
-        assert self.proposer is not None
-        # Logprobs are not computed for verified tokens yet; a prefill chunk has no drafts.
-        if not req.speculative or req.params.logprobs is not None:
-            return []
-        if req.num_tokens - req.num_computed_tokens != 1:
-            return []
-        room = min(
-            req.params.max_tokens - len(req.output_token_ids),
-            self.max_model_len - req.num_tokens,
-        )
+    def _propose(self, proposer: Proposer, hidden: StepHidden | None) -> None:
+        """Drafts for the running requests' next step: as many as each one's acceptance and the
+        batch size warrant, never past max_tokens or the context; none for a prefill chunk."""
         spec = self.config.spec
-        k = num_draft_tokens(
-            spec.num_speculative_tokens, req.spec_acceptance, batch_size, spec.disable_batch_size
-        )
-        k = min(k, room - 1)
-        return self.proposer.propose(req.all_token_ids, k) if k > 0 else []
+        running = self.scheduler.running
+        batch: list[tuple[Request, int]] = []
+        for req in running:
+            req.spec_token_ids, req.spec_draft_probs = [], None
+            if not req.speculative or req.num_tokens - req.num_computed_tokens != 1:
+                continue
+            room = min(
+                req.params.max_tokens - len(req.output_token_ids),
+                self.max_model_len - req.num_tokens,
+            )
+            k = num_draft_tokens(
+                spec.num_speculative_tokens,
+                req.spec_acceptance,
+                len(running),
+                spec.disable_batch_size,
+            )
+            k = min(k, room - 1)
+            if k > 0:
+                batch.append((req, k))
+        if not batch:
+            return
+        drafts = proposer.propose(batch, hidden)
+        for (req, _), draft in zip(batch, drafts, strict=True):
+            req.spec_token_ids, req.spec_draft_probs = draft.token_ids, draft.probs

@@ -40,6 +40,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_preemptions: int = 0
+    num_drafts: int = 0  # steps that verified drafts of this request
     num_draft_tokens: int = 0  # speculative tokens verified
     num_accepted_tokens: int = 0  # of those, accepted
 
@@ -59,6 +60,7 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     speculative: bool = True  # False: this request never gets drafts
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
+    spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] q; None: one-hot
     spec_acceptance: float = INITIAL_ACCEPTANCE  # moving average of the draft acceptance rate
 
     def __post_init__(self) -> None:

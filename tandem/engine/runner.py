@@ -7,7 +7,7 @@ Owns the model, the KV cache tensors and the attention backend. Requests with sh
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,10 +19,12 @@ from tandem.engine.sampler import (
     SamplingBatch,
     TokenLogprobs,
     apply_penalties,
+    gather_logprobs,
     processed_probs,
     seed_for_position,
 )
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.spec.proposer import StepHidden
 from tandem.engine.spec.rejection import rejection_sample
 
 __all__ = ["ModelRunner", "StepResult", "TokenLogprobs"]
@@ -32,8 +34,10 @@ __all__ = ["ModelRunner", "StepResult", "TokenLogprobs"]
 class StepResult:
     # request id -> its new tokens (one, or accepted drafts + one), for requests that reached
     # the end of their known tokens
-    tokens: dict[str, list[int]]
-    logprobs: dict[str, TokenLogprobs]  # for those of them that asked for logprobs
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    # for those of them that asked for logprobs: one per new token
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    hidden: StepHidden | None = None  # the step's final hidden states, when the runner keeps them
 
 
 @dataclass
@@ -43,6 +47,7 @@ class ModelInput:
     seqs: list[SeqSpec]
     sample_indices: torch.Tensor  # [num_rows] rows of the token batch whose logits are needed
     sampled: list[ScheduledRequest]  # one logits row each, k + 1 rows with k drafts
+    spans: dict[str, tuple[int, int, int]]  # request id -> (first row, first position, rows)
 
 
 class ModelRunner:
@@ -65,6 +70,7 @@ class ModelRunner:
             torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)
         ]
         self.sampler = Sampler()
+        self.keep_hidden = False  # a proposer reads the target's hidden states (Medusa, EAGLE)
 
     def use_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
         """Compute into caller-provided KV tensors (e.g. shared memory) of the same layout; call
@@ -90,9 +96,11 @@ class ModelRunner:
         seqs: list[SeqSpec] = []
         sample_indices: list[int] = []
         sampled: list[ScheduledRequest] = []
+        spans: dict[str, tuple[int, int, int]] = {}
         for s in scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            spans[req.request_id] = (len(input_ids), start, s.num_new_tokens)
             input_ids.extend(req.all_token_ids[start:end])
             input_ids.extend(s.draft_token_ids)  # beyond the known tokens
             positions.extend(range(start, end))
@@ -108,6 +116,7 @@ class ModelRunner:
             seqs,
             torch.tensor(sample_indices, device=dev),
             sampled,
+            spans,
         )
 
     @torch.inference_mode()
@@ -120,8 +129,9 @@ class ModelRunner:
         inp = self.prepare(out, block_tables)
         meta = self.backend.build_metadata(inp.seqs, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, after_layer)
+        result = StepResult(hidden=StepHidden(hidden, inp.spans) if self.keep_hidden else None)
         if not inp.sampled:
-            return StepResult({}, {})
+            return result
         logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_rows, vocab]
         plain_rows: list[int] = []
         plain: list[Request] = []
@@ -137,7 +147,6 @@ class ModelRunner:
                 plain_rows.append(row)
                 plain.append(r)
             row += len(s.draft_token_ids) + 1
-        result = StepResult({}, {})
         if plain:
             self._sample(logits[plain_rows] if verify else logits, plain, result)
         if verify:
@@ -165,7 +174,7 @@ class ModelRunner:
         if out.logprobs is not None:
             lists = out.logprobs.to_lists(batch.num_logprobs)
             result.logprobs.update(
-                (r.request_id, lp) for r, lp in zip(reqs, lists, strict=True) if lp
+                (r.request_id, [lp]) for r, lp in zip(reqs, lists, strict=True) if lp
             )
 
     def _verify(
@@ -198,8 +207,66 @@ class ModelRunner:
         requests = [s.request for s, _ in verify]
         greedy = torch.tensor([r.params.greedy for r in requests], device=self.device)
         out = rejection_sample(
-            target, draft_ids.to(self.device), None, greedy, [r.generator for r in requests]
+            target,
+            draft_ids.to(self.device),
+            _draft_probs(verify, probs.shape[1], self.device),
+            greedy,
+            [r.generator for r in requests],
         )
         tokens, emitted = out.token_ids.tolist(), out.num_emitted.tolist()
         for i, r in enumerate(requests):
             result.tokens[r.request_id] = tokens[i][: emitted[i]]
+        if batch.max_num_logprobs is not None:
+            self._verified_logprobs(logits[rows], batch, result, row_reqs, rows)
+
+    def _verified_logprobs(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] of the verified requests
+        batch: SamplingBatch,
+        result: StepResult,
+        row_reqs: list[Request],
+        rows: list[int],
+    ) -> None:
+        """Logprobs of each emitted token in the raw model distribution of its own row."""
+        emitted_rows: list[int] = []
+        emitted_ids: list[int] = []
+        first: dict[str, int] = {}
+        for i, r in enumerate(row_reqs):
+            first.setdefault(r.request_id, i)
+            offset = i - first[r.request_id]
+            new = result.tokens[r.request_id]
+            if offset < len(new) and r.params.logprobs is not None:
+                emitted_rows.append(i)
+                emitted_ids.append(new[offset])
+        if not emitted_rows:
+            return
+        assert batch.max_num_logprobs is not None
+        raw = logits[emitted_rows].float().log_softmax(dim=-1)
+        ids = torch.tensor(emitted_ids, device=raw.device)
+        lists = gather_logprobs(raw, ids, batch.max_num_logprobs).to_lists(
+            [row_reqs[i].params.logprobs for i in emitted_rows]
+        )
+        for i, lp in zip(emitted_rows, lists, strict=True):
+            if lp is not None:
+                result.logprobs.setdefault(row_reqs[i].request_id, []).append(lp)
+
+
+def _draft_probs(
+    verify: list[tuple[ScheduledRequest, int]], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[num_reqs, max_k, vocab] q of every draft (one-hot rows for one-hot drafts), or None when
+    every draft in the step is one-hot."""
+    if all(s.request.spec_draft_probs is None for s, _ in verify):
+        return None
+    max_k = max(len(s.draft_token_ids) for s, _ in verify)
+    q = torch.zeros(len(verify), max_k, vocab_size, device=device)
+    for i, (s, _) in enumerate(verify):
+        k = len(s.draft_token_ids)
+        probs = s.request.spec_draft_probs
+        if probs is None:
+            q[i, torch.arange(k, device=device), torch.tensor(s.draft_token_ids, device=device)] = (
+                1.0
+            )
+        else:
+            q[i, :k] = probs[:k]  # the scheduler may have cut the drafts short
+    return q

@@ -221,6 +221,7 @@ class Scheduler:
                 continue  # a prefill chunk that did not reach the end of the prompt
             if s.draft_token_ids:
                 num_accepted = len(s.draft_token_ids) - rejected
+                req.metrics.num_drafts += 1
                 req.metrics.num_draft_tokens += len(s.draft_token_ids)
                 req.metrics.num_accepted_tokens += num_accepted
                 self.spec_stats.observe(len(s.draft_token_ids), num_accepted)

@@ -244,7 +244,7 @@ class SimRunner:
         if after_layer is not None:
             for layer in range(len(self.kv_caches)):
                 after_layer(layer)
-        result = StepResult({}, {})
+        result = StepResult()
         for s in out.scheduled:
             if not s.samples:
                 continue

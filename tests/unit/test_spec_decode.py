@@ -82,6 +82,29 @@ def test_blocks_stay_consistent_through_accepts_and_rejects(tiny_llama_path: Pat
     run(engine, prompts(1, [20, 35, 8, 44]), params)  # checks integrity after every step
 
 
+def test_verified_tokens_carry_the_logprobs_of_plain_decoding(tiny_llama_path: Path) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=3)
+    batch = prompts(5, [30, 12])
+
+    def logprobs(engine: EngineCore) -> tuple[list[list[int]], list[list[float]], int]:
+        reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(batch)]
+        got: dict[str, list[float]] = {r.request_id: [] for r in reqs}
+        while engine.has_unfinished():
+            for delta in engine.step():
+                assert len(delta.logprobs) == len(delta.new_token_ids)
+                assert [lp.token_id for lp in delta.logprobs] == delta.new_token_ids
+                got[delta.request.request_id] += [lp.logprob for lp in delta.logprobs]
+        drafted = sum(r.metrics.num_draft_tokens for r in reqs)
+        return [r.output_token_ids for r in reqs], list(got.values()), drafted
+
+    plain_ids, plain_lps, _ = logprobs(make(tiny_llama_path))
+    spec_ids, spec_lps, drafted = logprobs(make(tiny_llama_path, NGRAM))
+    assert drafted > 0
+    assert spec_ids == plain_ids
+    for a, b in zip(spec_lps, plain_lps, strict=True):
+        assert a == pytest.approx(b, abs=1e-4)
+
+
 def test_seeded_sampling_is_reproducible(tiny_llama_path: Path) -> None:
     params = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     batch = prompts(2, [25, 14])

@@ -17,6 +17,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    propose_seconds: float = 0.0  # time in the proposer
+    verify_seconds: float = 0.0  # time in target steps that verified drafts
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tandem.engine.request import Request
+from tandem.engine.spec.proposer import Draft, Proposer, StepHidden
 
-class NgramProposer:
+
+class NgramProposer(Proposer):
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 4) -> None:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
@@ -24,7 +27,12 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
+    def propose(
+        self, batch: list[tuple[Request, int]], hidden: StepHidden | None = None
+    ) -> list[Draft]:
+        return [Draft(self.lookup(req.all_token_ids, k)) for req, k in batch]
+
+    def lookup(self, token_ids: Sequence[int], k: int | None = None) -> list[int]:
         """Up to `k` (default: num_speculative_tokens) draft tokens to follow `token_ids`."""
         k = self.k if k is None else k
         tokens = np.asarray(token_ids, dtype=np.int64)
