@@ -223,7 +223,7 @@ class EngineCore:
             k = min(k, room - 1)
             if k > 0:
                 batch.append((req, k))
-        if not batch:
+        if not batch and hidden is None:
             return
         drafts = proposer.propose(batch, hidden)
         for (req, _), draft in zip(batch, drafts, strict=True):

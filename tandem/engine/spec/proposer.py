@@ -6,7 +6,8 @@ it sampled them from a distribution, that distribution q (the verifier needs it 
 speculative sampling; None means one-hot drafts, as from n-gram lookup or a greedy drafter).
 
 Model-based proposers may need the target's final hidden states of the step that just ran
-(Medusa, EAGLE): they set `needs_hidden_states` and receive a `StepHidden`.
+(Medusa, EAGLE): they set `needs_hidden_states` and receive a `StepHidden` covering every request
+the step computed (prefill chunks included), after every step, even one with nothing to draft.
 """
 
 from __future__ import annotations
