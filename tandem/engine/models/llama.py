@@ -155,13 +155,17 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
         after_layer: Callable[[int], None] | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden] after the final norm, in the model dtype
-        """`after_layer(i)` runs once layer i has written its KV (the prefill role streams it)."""
+        """`after_layer(i)` runs once layer i has written its KV (the prefill role streams it).
+        `num_layers` runs only the first layers (a layer-skip self-draft); `kv_caches` has one
+        tensor per layer run."""
         # The residual stream stays float32: SmolLM2's activations reach norms of ~1e4, where
         # bfloat16 sums lose the small components (bf16 greedy output degenerated without this).
         x = self.embed_tokens(input_ids).float()
         cos_sin = self.rope(positions)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             x = layer(cos_sin, x, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
