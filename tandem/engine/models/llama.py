@@ -16,6 +16,7 @@ from torch import nn
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models.config import ModelConfig
+from tandem.engine.models.linear import Linear, linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -43,14 +44,14 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             cfg.hidden_size,
             cfg.q_size + 2 * cfg.kv_size,
             bias=cfg.attention_bias,
             dtype=dtype,
             device=device,
         )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -79,10 +80,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype, device=device
         )
-        self.down_proj = nn.Linear(
+        self.down_proj = Linear(
             cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device
         )
 
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(
+            self.lm_head = Linear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device
             )
 
@@ -173,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -182,7 +183,7 @@ class LlamaForCausalLM(nn.Module):
         missing = set(params)
         cfg = self.cfg
         for name, tensor in weights:
-            target, offset = _fused_target(name, cfg)
+            target, offset = fused_target(name, cfg)
             if target is None or target not in params:
                 if name == "lm_head.weight" and self.lm_head is None:
                     continue  # tied: some checkpoints store the copy anyway
@@ -203,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
 
 
-def _fused_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
+def fused_target(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     """Parameter name (ours) and row offset for an HF tensor name; (None, None) if unknown."""
     m = _LAYER.fullmatch(name)
     if m is not None:
