@@ -24,6 +24,10 @@ console = Console()
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
+QuantOpt = Annotated[str | None, typer.Option(help="Weights of the linear layers: int8 | int4.")]
+GroupSizeOpt = Annotated[
+    int, typer.Option(help="int4: input channels per scale and zero (32 | 64 | 128 | 256).")
+]
 
 
 @models_app.command("pull")
@@ -68,6 +72,8 @@ def generate(
     seed: int | None = None,
     spec: Annotated[str | None, typer.Option(help="Speculative decoding: ngram.")] = None,
     num_spec_tokens: int = 5,
+    quantization: QuantOpt = None,
+    quant_group_size: GroupSizeOpt = 32,
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
@@ -77,7 +83,14 @@ def generate(
 
     speculative = {"method": spec, "num_speculative_tokens": num_spec_tokens} if spec else None
     try:
-        llm = LLM(model, dtype=dtype, device=device, speculative=speculative)
+        llm = LLM(
+            model,
+            dtype=dtype,
+            device=device,
+            speculative=speculative,
+            quantization=quantization,
+            quant_group_size=quant_group_size,
+        )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
@@ -372,6 +385,8 @@ def worker(
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step.")] = 2048,
     chunked_prefill: Annotated[bool, typer.Option(help="Split long prompts over steps.")] = True,
     spec: Annotated[str | None, typer.Option(help="decode: speculative decoding (ngram).")] = None,
+    quantization: QuantOpt = None,
+    quant_group_size: GroupSizeOpt = 32,
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
     channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
     stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
@@ -392,6 +407,7 @@ def worker(
         memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
         max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
         engine=engine, sim_profile=sim_profile,
+        quantization=quantization, quant_group_size=quant_group_size,
     )  # fmt: skip
     if role == "prefill":
         from prefill_worker.server import build_server as build_prefill
@@ -413,6 +429,7 @@ def worker(
 def bench_engine(
     model: ModelOpt = DEFAULT_MODEL,
     dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes.")] = "float32,bfloat16",
+    quantization: QuantOpt = None,
     threads: int = 2,
     new_tokens: int = 128,
     batch: int = 16,
@@ -438,6 +455,7 @@ def bench_engine(
         config = BenchConfig(
             model=model,
             dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()),
+            quantization=quantization,
             threads=threads,
             new_tokens=new_tokens,
             batch=batch,

@@ -13,6 +13,10 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Weight-only quantization of the decoder's linear layers (tandem/engine/quant/), and the
+# int4 group sizes torch's int4 kernels take.
+QUANT_METHODS = ("int8", "int4")
+QUANT_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -30,6 +34,9 @@ class ModelSettings:
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     engine: str = "real"  # "real" | "sim" (tandem/engine/sim.py: modelled step times)
     sim_profile: str | None = None  # sim: a profile JSON (`tandem bench calibrate`); None: zero
+    quantization: str | None = None  # weights of the linear layers: "int8" | "int4" | None
+    quant_group_size: int = 32  # int4: input channels per scale and zero (halved where it does
+    # not divide a layer's input size: SmolLM2's 576 takes 64 for 128)
 
     def __post_init__(self) -> None:
         if self.engine not in ("real", "sim"):
@@ -38,6 +45,16 @@ class ModelSettings:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANT_METHODS:
+            raise ValueError(
+                f"quantization must be one of {list(QUANT_METHODS)} or None, "
+                f"got {self.quantization!r}"
+            )
+        if self.quant_group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(
+                f"quant_group_size must be one of {list(QUANT_GROUP_SIZES)}, "
+                f"got {self.quant_group_size}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,8 +6,9 @@ import os
 # the spinning starves the thread doing the work. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,3 +73,26 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer.decoder = decoders.ByteLevel()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(path)
     return path
+
+
+def _prompt_logits(engine: Any, ids: list[int], first: int = 0) -> torch.Tensor:
+    from tandem.engine.attention import SeqSpec
+
+    model, device = engine.model, engine.runner.device
+    num_blocks = -(-len(ids) // engine.config.cache.block_size)
+    # Fresh caches of the engine's layout ([2, num_blocks, ...]): the engine's own blocks may
+    # hold prefix-cached KV that later requests read.
+    kv_caches = [torch.zeros_like(c[:, :num_blocks]) for c in engine.runner.kv_caches]
+    meta = model.backend.build_metadata([SeqSpec(0, len(ids), list(range(num_blocks)))], device)
+    with torch.inference_mode():
+        positions = torch.arange(len(ids), device=device)
+        hidden = model(torch.tensor(ids, device=device), positions, kv_caches, meta)
+        return model.compute_logits(hidden[first:])
+
+
+@pytest.fixture(scope="session")
+def prompt_logits() -> Callable[..., torch.Tensor]:
+    """`prompt_logits(engine, ids, first=0)`: the logits `[len(ids) - first, vocab]` (float32) an
+    `EngineCore`'s model gives at positions `first:` of `ids`, in one forward over all of them,
+    as for prompt log-probabilities."""
+    return _prompt_logits

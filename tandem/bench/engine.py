@@ -9,6 +9,9 @@ to the dtype under test), the same chat-templated prompt token ids, greedy decod
 from the checkpoint's config with the default (sdpa) attention, not transformers' own GGUF loading,
 which keeps the weights packed and computes in float32. The engine runs with prefix caching off: the
 same prompts come back every round, and transformers keeps no cache between calls.
+With `quantization` the engine's linear layers hold int8 / int4 weights (`tandem/engine/quant/`);
+the transformers side, the kernel floor and the bandwidth limit stay dense in the dtype under
+test.
 
 Per dtype: load both sides, one short warm-up of each (not measured), then `rounds` rounds. In a
 round the sides alternate A B A B (engine first):
@@ -66,7 +69,7 @@ from rich.table import Table
 from torch import nn
 
 from tandem.bench.common import progress_bar
-from tandem.config import DEFAULT_MODEL, DTYPES
+from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS_PATH = PROJECT_ROOT.parent / "shared" / "data" / "specbench_dev.jsonl"
@@ -91,6 +94,7 @@ class BenchError(RuntimeError):
 class BenchConfig:
     model: str = DEFAULT_MODEL
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    quantization: str | None = None  # the engine's linear layers: int8 | int4
     threads: int = 2
     new_tokens: int = 128
     batch: int = 16
@@ -107,6 +111,11 @@ class BenchConfig:
         for dtype in self.dtypes:
             if dtype not in DTYPES:
                 raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        if self.quantization not in (None, *QUANT_METHODS):
+            raise ValueError(
+                f"quantization must be one of {list(QUANT_METHODS)} or None, "
+                f"got {self.quantization!r}"
+            )
         if self.new_tokens < 2:
             raise ValueError(
                 f"new_tokens must be >= 2 (TPOT needs two tokens), got {self.new_tokens}"
@@ -182,6 +191,7 @@ class EngineSide:
         self.llm = LLM(
             config.model,
             dtype=dtype,
+            quantization=config.quantization,
             num_threads=config.threads,
             enable_prefix_caching=False,
             max_num_seqs=max(64, config.batch),
@@ -735,8 +745,9 @@ def _fmt(s: dict[str, float]) -> str:
 
 def _dtype_table(config: BenchConfig, dtype: str, res: dict[str, Any]) -> Table:
     s, ratios, frac = res["summary"], res["ratios"], res["fractions"]
+    label = dtype if config.quantization is None else f"{dtype}, {config.quantization} weights"
     table = Table(
-        title=f"{dtype}: {config.new_tokens} new tokens, greedy, {config.threads} threads; "
+        title=f"{label}: {config.new_tokens} new tokens, greedy, {config.threads} threads; "
         f"median (min-max) of {config.rounds} rounds",
         title_justify="left",
         box=box.SIMPLE_HEAD,

@@ -69,7 +69,13 @@ class EngineCore:
             bytes_per_block = self.sim.kv_bytes_per_token * block_size
         else:
             self.model = load_model(
-                self.model_path, TorchSDPABackend, block_size, mc.torch_dtype, mc.torch_device
+                self.model_path,
+                TorchSDPABackend,
+                block_size,
+                mc.torch_dtype,
+                mc.torch_device,
+                mc.quantization,
+                mc.quant_group_size,
             )
             bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, mc.torch_dtype)
         cfg = self.model.cfg

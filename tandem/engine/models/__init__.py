@@ -10,6 +10,7 @@ from tandem.engine.attention import AttentionBackend
 from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.loader import iter_weights, load_config
+from tandem.engine.quant.model import gguf_direct_weights, quantize_model
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
 
@@ -20,9 +21,16 @@ def load_model(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    quantization: str | None = None,
+    quant_group_size: int = 32,
 ) -> LlamaForCausalLM:
+    """The model in `dtype` on `device`; `quantization` ("int8" | "int4") then quantizes the
+    decoder layers' linear layers (tandem/engine/quant/)."""
     cfg = load_config(path)
     backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
     model = LlamaForCausalLM(cfg, backend, dtype, device)
     model.load_weights(iter_weights(path))
+    if quantization is not None:
+        direct = gguf_direct_weights(path, quantization, quant_group_size)
+        quantize_model(model, quantization, quant_group_size, direct)
     return model.eval()

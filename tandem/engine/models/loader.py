@@ -292,14 +292,38 @@ def _iter_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 f"supported: {sorted(t.name for t in GGUF_TENSOR_TYPES)}"
             )
         named.append((_hf_name(tensor.name), tensor))
-    permuted_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
     for name, tensor in named:
         # GGUF lists dimensions fastest-first (ggml `ne`); torch wants them slowest-first.
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # copy: F32 data is a view into the read-only memory map.
         weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
-        proj = name.split(".")[-2]
-        if config.architecture == "llama" and proj in permuted_heads:
-            weight = _unpermute_rows(weight, permuted_heads[proj])
-        yield name, weight
+        yield name, _hf_rows(name, weight, config)
+
+
+def iter_gguf_blocks(
+    path: str | Path, types: frozenset[gguf.GGMLQuantizationType]
+) -> Iterator[tuple[str, gguf.GGMLQuantizationType, torch.Tensor]]:
+    """Yield (HF parameter name, type, raw blocks) for the 2-D tensors of `types` in a GGUF file
+    (nothing for an HF directory); the blocks are uint8 `[rows, bytes per row]` in HF row order,
+    as `iter_weights` yields the same tensors dequantized."""
+    path = Path(path)
+    if not _is_gguf(path):
+        return
+    reader = _gguf_reader(path)
+    config = _gguf_config(reader)
+    for tensor in reader.tensors:
+        if tensor.tensor_type in types and len(tensor.shape) == 2:
+            name = _hf_name(tensor.name)
+            # copy: the data is a view into the read-only memory map.
+            blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
+            yield name, tensor.tensor_type, _hf_rows(name, blocks, config)
+
+
+def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """`rows` ([out, ...]: weights or whole rows of blocks) in HF order."""
+    permuted_heads = {"q_proj": config.num_heads, "k_proj": config.num_kv_heads}
+    proj = name.split(".")[-2]
+    if config.architecture == "llama" and proj in permuted_heads:
+        return _unpermute_rows(rows, permuted_heads[proj])
+    return rows

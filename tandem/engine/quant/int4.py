@@ -1,0 +1,197 @@
+"""int4 weights in groups along the input channels: w ~= (q - 8) * scale + zero, q in [0, 15].
+
+That affine form is the one torch's int4 kernels dequantize; with zero = min + 8 * scale it is
+`q * scale + min`, which is also llama.cpp's Q4_1 (`q * d + m`) and, with zero = 0, Q4_0
+(`(q - 8) * d`). Storage (`Int4Weight.qweight`): two codes a byte, code 2j in the high nibble of
+byte j, `[out, in // 2]` uint8; scales and zeros `[out, in // group_size]`.
+
+Kernels (the layer passes scales and zeros as `[in // group_size, out, 2]` in the activation
+dtype):
+- CPU: `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
+  `[out, in // 2]` in a blocked layout of its own (inner_k_tiles is ignored), then
+  `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)`; float32, bfloat16 and
+  float16 activations, out a multiple of 16; fast on this machine in bfloat16 only.
+- CUDA: `_convert_weight_to_int4pack(qweight uint8 [out, in // 2], inner_k_tiles)` -> int32
+  `[out // 8, in // (16 * inner_k_tiles), 32, inner_k_tiles // 2]`, then `_weight_int4pack_mm`
+  (bfloat16 activations; out a multiple of 8, in a multiple of 16 * inner_k_tiles, which
+  groups of >= 32 guarantee).
+Both read half a byte per weight but do not batch rows, so past `KERNEL_MAX_TOKENS` the layer
+dequantizes and runs one dense matmul; it keeps the nibble copy for that (and for devices without
+a kernel), so a weight takes one byte of memory while a decode step reads half a byte.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.quant.probe import kernel_agrees
+
+# Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
+# SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 32 tokens the kernel took
+# 44 ms a step against 98 ms, at 128 tokens 171 ms against 180 ms, at 512 tokens 403 ms against
+# 177 ms.
+KERNEL_MAX_TOKENS = 128
+MIN_GROUP_SIZE = 32  # the smallest group torch's int4 kernels take
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    qweight: torch.Tensor  # [out_features, in_features // 2] uint8, two codes a byte
+    scales: torch.Tensor  # [out_features, in_features // group_size] float32
+    zeros: torch.Tensor  # [out_features, in_features // group_size] float32
+
+    @property
+    def group_size(self) -> int:
+        return 2 * self.qweight.shape[1] // self.scales.shape[1]
+
+    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] float32
+        return dequantize_int4(self.qweight, self.scales.float(), self.zeros.float())
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes in [0, 15] -> [out, in // 2] uint8, code 2j in the high nibble of byte j."""
+    c = codes.to(torch.uint8)
+    return (c[:, 0::2] << 4) | c[:, 1::2]
+
+
+def unpack_codes(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of `pack_codes`: [out, in // 2] uint8 -> [out, in] uint8."""
+    return torch.stack([qweight >> 4, qweight & 0xF], dim=-1).view(qweight.shape[0], -1)
+
+
+def dequantize_int4(
+    qweight: torch.Tensor,  # [out, in // 2] uint8
+    scales: torch.Tensor,  # [out, in // group_size]
+    zeros: torch.Tensor,  # [out, in // group_size]
+) -> torch.Tensor:  # [out, in] in the scales' dtype
+    out, groups = scales.shape
+    codes = unpack_codes(qweight).view(out, groups, -1).to(scales.dtype)  # [out, groups, group]
+    return ((codes - 8) * scales[..., None] + zeros[..., None]).view(out, -1)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Each group of `group_size` input channels spans its minimum to its maximum in 15 steps."""
+    out, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of group_size {group_size}")
+    w = weight.float().view(out, in_features // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
+    scales = (hi - lo).clamp(min=1e-12) / 15  # a constant group keeps a positive scale
+    codes = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15)
+    return Int4Weight(pack_codes(codes.view(out, in_features)), scales, lo + 8 * scales)
+
+
+def layer_group_size(in_features: int, group_size: int) -> int:
+    """`group_size`, halved until it divides `in_features` (SmolLM2's 576 takes 64 for 128)."""
+    group = group_size
+    while in_features % group and group > MIN_GROUP_SIZE:
+        group //= 2
+    if in_features % group:
+        raise ValueError(
+            f"int4 needs in_features to be a multiple of {MIN_GROUP_SIZE}, got {in_features}"
+        )
+    return group
+
+
+def _inner_k_tiles(in_features: int) -> int:
+    return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
+def _kernel_fits(device: torch.device, out_features: int, in_features: int) -> bool:
+    """The shapes each device's kernel takes (in is already a multiple of the group size)."""
+    if device.type == "cpu":
+        return out_features % 16 == 0
+    return device.type == "cuda" and out_features % 8 == 0
+
+
+def _pack(qweight: torch.Tensor) -> torch.Tensor:
+    """Our nibbles -> the layout of the device's kernel."""
+    if qweight.device.type == "cpu":
+        codes = unpack_codes(qweight).to(torch.int32)  # [out, in]
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    in_features = 2 * qweight.shape[1]
+    return torch.ops.aten._convert_weight_to_int4pack(qweight, _inner_k_tiles(in_features))
+
+
+def _mm(
+    x: torch.Tensor,  # [num_tokens, in]
+    packed: torch.Tensor,
+    group_size: int,
+    scales_and_zeros: torch.Tensor,  # [in // group_size, out, 2]
+) -> torch.Tensor:  # [num_tokens, out]
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)
+    return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
+
+
+def _scales_and_zeros(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    return torch.stack([weight.scales.T, weight.zeros.T], dim=-1).to(dtype).contiguous()
+
+
+@functools.cache
+def kernel_works(device: torch.device, dtype: torch.dtype, group_size: int) -> bool:
+    """Whether the device's int4 kernel runs and is right for `dtype` activations and groups."""
+    if not _kernel_fits(device, 64, 256):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(3, 256, generator=gen, device=device).to(dtype)  # [tokens, in]
+    weight = quantize_int4(torch.randn(64, 256, generator=gen, device=device), group_size)
+    sz = _scales_and_zeros(weight, dtype)
+    return kernel_agrees(
+        f"int4 kernel on {device} for {dtype}, group {group_size}",
+        lambda: _mm(x, _pack(weight.qweight), group_size, sz),
+        lambda: F.linear(x.float(), weight.dequantize()),
+    )
+
+
+class Int4Linear(nn.Module):
+    """A linear layer over int4 weights; activations, scales, zeros, bias and output in `dtype`."""
+
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.out_features = weight.qweight.shape[0]
+        self.in_features = 2 * weight.qweight.shape[1]
+        self.group_size = weight.group_size
+        self.qweight: torch.Tensor
+        self.scales_and_zeros: torch.Tensor
+        self.packed: torch.Tensor | None
+        self.bias: torch.Tensor | None
+        self.register_buffer("qweight", weight.qweight.to(device))
+        self.register_buffer("scales_and_zeros", _scales_and_zeros(weight, dtype).to(device))
+        self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
+        self.use_kernel = _kernel_fits(
+            device, self.out_features, self.in_features
+        ) and kernel_works(device, dtype, self.group_size)
+        self.register_buffer("packed", _pack(self.qweight) if self.use_kernel else None)
+
+    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] in the activation dtype
+        sz = self.scales_and_zeros.float()  # [groups, out, 2]
+        weight = dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T)
+        return weight.to(self.scales_and_zeros.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
+        if self.packed is not None and self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:
+            y = _mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = F.linear(x2, self.dequantize())
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 group {self.group_size}"
+        )

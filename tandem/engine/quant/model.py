@@ -1,0 +1,96 @@
+"""Quantize a loaded model: the decoder layers' linear layers become `Int8Linear` / `Int4Linear`.
+
+Every `nn.Linear` inside `model.layers` (qkv_proj, o_proj, gate_up_proj, down_proj) is quantized
+from its float weight; weights that map exactly from the checkpoint (GGUF Q4_0 / Q4_1 blocks for
+int4 with groups of 32, `gguf_blocks.py`) then overwrite the rows they cover, which is per
+projection: a fused qkv_proj can take q and k from blocks and v from the float weight. The
+embeddings and the LM head (tied to them in SmolLM2) are not quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+from torch import nn
+
+from tandem.config import QUANT_METHODS
+from tandem.engine.models.llama import LlamaForCausalLM, fused_target
+from tandem.engine.models.loader import iter_gguf_blocks
+from tandem.engine.quant.gguf_blocks import direct_types, map_blocks
+from tandem.engine.quant.int4 import Int4Linear, Int4Weight, layer_group_size, quantize_int4
+from tandem.engine.quant.int8 import Int8Linear, Int8Weight, quantize_int8
+
+QuantWeight = Int4Weight | Int8Weight
+
+
+def gguf_direct_weights(path: Path, method: str, group_size: int) -> dict[str, QuantWeight]:
+    """HF name -> weight for the decoder-layer tensors of a GGUF file that map into `method`
+    without the float model (none for an HF directory)."""
+    blocks = iter_gguf_blocks(path, direct_types(method, group_size))
+    return dict(map_blocks(b for b in blocks if b[0].startswith("model.layers.")))
+
+
+def quantize_model(
+    model: LlamaForCausalLM,
+    method: str,
+    group_size: int = 32,
+    direct: Mapping[str, QuantWeight] | None = None,
+) -> None:
+    """Swap the linear layers of `model.layers` for quantized ones, in place.
+
+    `group_size` (int4) is halved for a layer whose input size it does not divide. `direct` maps
+    HF parameter names (as the loader yields them) to weights that replace the quantized rows of
+    that projection."""
+    if method not in QUANT_METHODS:
+        raise ValueError(f"quantization must be one of {list(QUANT_METHODS)}, got {method!r}")
+    parts: dict[str, list[tuple[int, QuantWeight]]] = {}
+    for name, weight in (direct or {}).items():
+        target, offset = fused_target(name, model.cfg)
+        if target is None or not target.endswith(".weight"):
+            raise ValueError(f"direct weight {name!r} is not a linear layer's weight")
+        parts.setdefault(target.removesuffix(".weight"), []).append((offset or 0, weight))
+    for parent_name, parent in list(model.layers.named_modules(prefix="layers")):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                name = f"{parent_name}.{child_name}"
+                quantized = quantize_linear(child, method, group_size, parts.pop(name, []))
+                setattr(parent, child_name, quantized)
+    if parts:
+        raise ValueError(f"direct weights for layers that are not quantized: {sorted(parts)[:4]}")
+
+
+def quantize_linear(
+    linear: nn.Linear,
+    method: str,
+    group_size: int,
+    parts: list[tuple[int, QuantWeight]],
+) -> Int8Linear | Int4Linear:
+    """`linear` quantized from its weight, then `parts` ((row offset, weight)) copied over."""
+    weight = linear.weight.detach()  # [out, in]
+    bias = None if linear.bias is None else linear.bias.detach()
+    if method == "int8":
+        q8 = quantize_int8(weight)
+        for offset, part in parts:
+            replace_rows(q8, offset, part)
+        return Int8Linear(q8, bias, weight.dtype, weight.device)
+    q4 = quantize_int4(weight, layer_group_size(linear.in_features, group_size))
+    for offset, part in parts:
+        replace_rows(q4, offset, part)
+    return Int4Linear(q4, bias, weight.dtype, weight.device)
+
+
+def replace_rows(base: QuantWeight, offset: int, part: QuantWeight) -> None:
+    """Copy `part`'s rows over `base`'s from row `offset` on (same format and group size)."""
+    if type(part) is not type(base):
+        raise ValueError(f"cannot put {type(part).__name__} rows into an {type(base).__name__}")
+    pairs = [(getattr(base, f.name), getattr(part, f.name)) for f in dataclasses.fields(base)]
+    for (dst, src), field in zip(pairs, dataclasses.fields(base), strict=True):
+        if dst[offset : offset + len(src)].shape != src.shape:
+            raise ValueError(
+                f"cannot put {field.name} of shape {tuple(src.shape)} at row {offset} of "
+                f"{field.name} of shape {tuple(dst.shape)}"
+            )
+    for dst, src in pairs:
+        dst[offset : offset + len(src)].copy_(src)
