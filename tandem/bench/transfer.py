@@ -72,7 +72,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from kv_transfer.ticket import KVLayout, KVTicket
-from tandem.bench.common import passive_omp, progress_bar
+from tandem.bench.common import passive_omp, progress_bar, write_report
 from tandem.bench.engine import BenchError, machine_info, stats
 from tandem.config import DEFAULT_MODEL, DTYPES
 
@@ -756,14 +756,7 @@ def run_transfer_bench(
         + (f"  [red]missed:[/red] {'; '.join(misses)}" if misses else "")
     )
     if json_out is not None:
-        import json
-
-        path = Path(json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        chart = path.with_suffix(".png")
-        write_chart(report, chart)
-        console.print(f"[dim]wrote {path} and {chart}[/dim]")
+        write_report(report, json_out, write_chart, console)
     return report
 
 

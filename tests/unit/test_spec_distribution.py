@@ -241,58 +241,53 @@ def test_the_slot_check_sees_a_stale_slot() -> None:
 # Mutated verifiers: wrappers around the real one
 
 
-def resample_from_p(
-    target_probs: Tensor,
-    draft_token_ids: Tensor,
-    draft_probs: Tensor | None,
-    greedy: Tensor,
-    generators: Sequence[torch.Generator | None],
-    *,
-    generator: torch.Generator,
-) -> VerifyOutput:
+@dataclass(frozen=True)
+class Verify:
+    """The arguments of one `rejection_sample` call."""
+
+    target_probs: Tensor  # [num_reqs, max_k + 1, vocab]
+    draft_token_ids: Tensor  # [num_reqs, max_k], -1 padded
+    draft_probs: Tensor | None  # [num_reqs, max_k, vocab]
+    greedy: Tensor
+    generators: Sequence[torch.Generator | None]
+
+    def real(self, target_probs: Tensor | None = None) -> VerifyOutput:
+        p = self.target_probs if target_probs is None else target_probs
+        return rejection_sample(
+            p, self.draft_token_ids, self.draft_probs, self.greedy, self.generators
+        )
+
+    @property
+    def num_drafts(self) -> Tensor:  # [num_reqs]
+        return (self.draft_token_ids >= 0).sum(dim=1)
+
+
+def resample_from_p(v: Verify, generator: torch.Generator) -> VerifyOutput:
     """After a rejection, the token comes from p instead of the residual max(0, p - q)."""
-    out = rejection_sample(target_probs, draft_token_ids, draft_probs, greedy, generators)
-    num_drafts = (draft_token_ids >= 0).sum(dim=1)
-    rows = (out.num_accepted < num_drafts).nonzero().squeeze(1)
-    return replace_final(out, rows, target_probs[rows, out.num_accepted[rows]], generator)
+    out = v.real()
+    rows = (out.num_accepted < v.num_drafts).nonzero().squeeze(1)
+    return replace_final(out, rows, v.target_probs[rows, out.num_accepted[rows]], generator)
 
 
-def bonus_from_q(
-    target_probs: Tensor,
-    draft_token_ids: Tensor,
-    draft_probs: Tensor | None,
-    greedy: Tensor,
-    generators: Sequence[torch.Generator | None],
-    *,
-    generator: torch.Generator,
-) -> VerifyOutput:
+def bonus_from_q(v: Verify, generator: torch.Generator) -> VerifyOutput:
     """When every draft is accepted, the bonus token comes from the last draft's q, not p."""
-    out = rejection_sample(target_probs, draft_token_ids, draft_probs, greedy, generators)
-    num_drafts = (draft_token_ids >= 0).sum(dim=1)
-    rows = ((out.num_accepted == num_drafts) & (num_drafts > 0)).nonzero().squeeze(1)
-    last = num_drafts[rows] - 1
-    if draft_probs is None:
-        q = F.one_hot(draft_token_ids[rows, last], VOCAB).float()
+    out = v.real()
+    rows = ((out.num_accepted == v.num_drafts) & (v.num_drafts > 0)).nonzero().squeeze(1)
+    last = v.num_drafts[rows] - 1
+    if v.draft_probs is None:
+        q = F.one_hot(v.draft_token_ids[rows, last], VOCAB).float()
     else:
-        q = draft_probs[rows, last]
+        q = v.draft_probs[rows, last]
     return replace_final(out, rows, q, generator)
 
 
-def accept_always(
-    target_probs: Tensor,
-    draft_token_ids: Tensor,
-    draft_probs: Tensor | None,
-    greedy: Tensor,
-    generators: Sequence[torch.Generator | None],
-    *,
-    generator: torch.Generator,
-) -> VerifyOutput:
+def accept_always(v: Verify, generator: torch.Generator) -> VerifyOutput:
     """Every draft is kept (p at each draft position becomes one-hot(draft)); bonus from p."""
-    one_hot = F.one_hot(draft_token_ids.clamp(min=0), VOCAB).to(target_probs.dtype)
-    forced = target_probs.clone()
-    is_draft = (draft_token_ids >= 0).unsqueeze(2)
+    one_hot = F.one_hot(v.draft_token_ids.clamp(min=0), VOCAB).to(v.target_probs.dtype)
+    forced = v.target_probs.clone()
+    is_draft = (v.draft_token_ids >= 0).unsqueeze(2)
     forced[:, :-1] = torch.where(is_draft, one_hot, forced[:, :-1])
-    return rejection_sample(forced, draft_token_ids, draft_probs, greedy, generators)
+    return v.real(forced)
 
 
 def replace_final(
@@ -306,7 +301,7 @@ def replace_final(
     return VerifyOutput(token_ids, out.num_accepted)
 
 
-MUTANTS: dict[str, Callable[..., VerifyOutput]] = {
+MUTANTS: dict[str, Callable[[Verify, torch.Generator], VerifyOutput]] = {
     "resample_from_p": resample_from_p,
     "bonus_from_q": bonus_from_q,
     "accept_always": accept_always,
@@ -314,7 +309,9 @@ MUTANTS: dict[str, Callable[..., VerifyOutput]] = {
 
 
 def mutant_verifier(name: str) -> Verifier:
-    return functools.partial(MUTANTS[name], generator=torch.Generator().manual_seed(5))
+    """A drop-in `rejection_sample` that runs mutant `name`."""
+    generator = torch.Generator().manual_seed(5)
+    return lambda *args: MUTANTS[name](Verify(*args), generator)
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
