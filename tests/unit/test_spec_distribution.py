@@ -140,7 +140,7 @@ def visible_slot_mismatches(engine: EngineCore) -> list[str]:
             owners.append(req.request_id)
     if not slots:
         return []
-    wrong = (values[slots] != torch.tensor(expected, dtype=values.dtype)).any(dim=1)
+    wrong = (values[slots] != values.new_tensor(expected)).any(dim=1)
     return sorted({owners[i] for i in wrong.nonzero().squeeze(1).tolist()})
 
 
