@@ -196,7 +196,7 @@ def test_draft_kv_is_budgeted(tiny_llama_path: Path, draft_path: Path) -> None:
     plain = EngineCore(EngineConfig.create(str(tiny_llama_path), **options))
     spec = {"method": "draft", "draft_model": str(draft_path)}
     drafting = EngineCore(EngineConfig.create(str(tiny_llama_path), speculative=spec, **options))
-    # the draft has 1 layer of 2 KV heads of 8 (32 / 4 heads) against the target's 2 x 2 x 16
+    # KV per token: the draft 1 layer x 2 heads x head_dim 8, the target 2 x 2 x 16 (4x more)
     assert drafting.kv_cache.num_blocks == plain.kv_cache.num_blocks * 4 // 5
 
 
