@@ -1,6 +1,7 @@
 """GGUF blocks straight into quantized layers: tiny llama.cpp-style files (Q/K rows permuted, as the
 converter writes them) loaded with quantization give back llama.cpp's weights where the blocks map
-exactly, through the loader's row order and the q/k/v and gate/up fusion."""
+exactly (up to the scales' and zeros' rounding to bfloat16), through the loader's row order and the
+q/k/v and gate/up fusion; requantized weights differ by far more."""
 
 from collections.abc import Callable
 from pathlib import Path
@@ -29,14 +30,21 @@ def engines(path: Path, method: str, group_size: int = 32) -> tuple[EngineCore, 
     return EngineCore(EngineConfig.create(str(path), **common)), EngineCore(quantized)
 
 
-def max_weight_error(float_engine: EngineCore, quantized: EngineCore, name: str) -> float:
-    """Largest difference between a float layer's weight and a quantized one's, over all layers."""
-    return max(
-        float(
-            (q.get_submodule(name).dequantize() - f.get_submodule(name).weight.detach()).abs().max()
-        )
-        for f, q in zip(float_engine.model.layers, quantized.model.layers, strict=True)
-    )
+def weight_error(float_engine: EngineCore, quantized: EngineCore, name: str, rows: slice) -> float:
+    """Largest relative difference (Frobenius norm) between a float layer's weight rows and a
+    quantized one's, over all layers."""
+    errors = []
+    for f, q in zip(float_engine.model.layers, quantized.model.layers, strict=True):
+        want = f.get_submodule(name).weight.detach()[rows]
+        errors.append(float((q.get_submodule(name).dequantize()[rows] - want).norm() / want.norm()))
+    return max(errors)
+
+
+# bfloat16 scales and zeros: at most 2^-8 of each, a fraction of a quantization step; a
+# requantized int4 weight is off by a few percent.
+EXACT = 2e-3
+REQUANTIZED = 1e-2
+ALL = slice(None)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=["Q4_0", "Q4_1"])
@@ -50,10 +58,10 @@ def test_q4_file_loads_into_int4_exactly(
     float_engine, quantized = engines(path, "int4")
     for name in PROJECTIONS:
         assert isinstance(quantized.model.layers[0].get_submodule(name), Int4Linear)
-        assert max_weight_error(float_engine, quantized, name) < 1e-6, name
+        assert weight_error(float_engine, quantized, name, ALL) < EXACT, name
     ids = list(range(3, 30))
     got, want = prompt_logits(quantized, ids), prompt_logits(float_engine, ids)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert float((got - want).norm() / want.norm()) < 1e-2  # bfloat16 activations in the kernel
 
 
 def test_mixed_file_maps_what_it_can(tmp_path: Path) -> None:
@@ -69,15 +77,14 @@ def test_mixed_file_maps_what_it_can(tmp_path: Path) -> None:
     float_engine, quantized = engines(path, "int4")
     cfg = float_engine.model.cfg
     qk_rows = cfg.q_size + cfg.kv_size
-    for f, q in zip(float_engine.model.layers, quantized.model.layers, strict=True):
-        deq = q.self_attn.qkv_proj.dequantize()
-        float_weight = f.self_attn.qkv_proj.weight.detach()
-        assert float((deq[:qk_rows] - float_weight[:qk_rows]).abs().max()) < 1e-6
-        assert float((deq[qk_rows:] - float_weight[qk_rows:]).abs().max()) > 1e-4  # requantized
+    qkv = "self_attn.qkv_proj"
+    assert weight_error(float_engine, quantized, qkv, slice(qk_rows)) < EXACT
+    assert weight_error(float_engine, quantized, qkv, slice(qk_rows, None)) > REQUANTIZED
 
 
 def test_q8_0_file_into_int8(tmp_path: Path) -> None:
-    """Q8_0 rows are requantized per channel: within half a step of llama.cpp's values."""
+    """Q8_0 rows are requantized per channel: within half a step of llama.cpp's values, plus the
+    scale's rounding to bfloat16 (up to 2^-8 of a step times a code of up to 127): one step."""
     path = tmp_path / "tiny.gguf"
     write_gguf(path, TINY_MODELS["llama"], "llama", lambda name, i: Q.Q8_0)
     assert len(gguf_direct_weights(path, "int8", 32)) == 2 * 7
@@ -87,7 +94,7 @@ def test_q8_0_file_into_int8(tmp_path: Path) -> None:
             layer = q.get_submodule(name)
             assert isinstance(layer, Int8Linear)
             error = (layer.dequantize() - f.get_submodule(name).weight.detach()).abs()
-            assert (error <= layer.scales[:, None] / 2 + 1e-7).all(), name
+            assert (error <= layer.scales.float()[:, None]).all(), name
 
 
 def test_group_128_requantizes_q4_blocks(tmp_path: Path) -> None:
@@ -100,4 +107,4 @@ def test_group_128_requantizes_q4_blocks(tmp_path: Path) -> None:
     layer = quantized.model.layers[0]
     assert layer.self_attn.qkv_proj.group_size == 64
     assert layer.mlp.down_proj.group_size == 32
-    assert max_weight_error(float_engine, quantized, "self_attn.qkv_proj") > 1e-4
+    assert weight_error(float_engine, quantized, "self_attn.qkv_proj", ALL) > REQUANTIZED

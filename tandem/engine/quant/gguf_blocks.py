@@ -7,8 +7,8 @@ A block holds 32 consecutive weights of a row:
 In the 4-bit blocks, byte i holds weight i in its low nibble and weight i + 16 in its high one.
 
 Q4_0 and Q4_1 are int4 with groups of 32 as they stand: the codes are kept and (scale, zero) =
-(d, 0) or (d, m + 8 d), so `(q - 8) * scale + zero` gives back llama.cpp's values (up to the
-rounding of scale and zero to the activation dtype, which bfloat16 rounds to 8 bits). Q8_0 has a
+(d, 0) or (d, m + 8 d), so `(q - 8) * scale + zero` gives back llama.cpp's values up to the
+rounding of scale and zero to bfloat16 (8 significant bits), the dtype the kernels take. Q8_0 has a
 scale per 32 weights and our int8 one per row, so its rows are requantized from the block values
 (exact float32 products); the codes stay the same only where every block of a row has the same
 scale and reaches +-127. No other pairing maps exactly: those weights are quantized from the float

@@ -5,12 +5,11 @@ That affine form is the one torch's int4 kernels dequantize; with zero = min + 8
 (`(q - 8) * d`). Storage (`Int4Weight.qweight`): two codes a byte, code 2j in the high nibble of
 byte j, `[out, in // 2]` uint8; scales and zeros `[out, in // group_size]`.
 
-Kernels (the layer passes scales and zeros as `[in // group_size, out, 2]` in the activation
-dtype):
+Kernels (the layer passes activations, scales and zeros in bfloat16, `probe.py`; scales and
+zeros as `[in // group_size, out, 2]`):
 - CPU: `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
   `[out, in // 2]` in a blocked layout of its own (inner_k_tiles is ignored), then
-  `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)`; float32, bfloat16 and
-  float16 activations, out a multiple of 16; fast on this machine in bfloat16 only.
+  `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)`; out a multiple of 16.
 - CUDA: `_convert_weight_to_int4pack(qweight uint8 [out, in // 2], inner_k_tiles)` -> int32
   `[out // 8, in // (16 * inner_k_tiles), 32, inner_k_tiles // 2]`, then `_weight_int4pack_mm`
   (bfloat16 activations; out a multiple of 8, in a multiple of 16 * inner_k_tiles, which
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.quant.probe import kernel_agrees
+from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
 
 # Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
 # SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 32 tokens the kernel took
@@ -129,28 +128,29 @@ def _mm(
     return torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
 
 
-def _scales_and_zeros(weight: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    return torch.stack([weight.scales.T, weight.zeros.T], dim=-1).to(dtype).contiguous()
+def _scales_and_zeros(weight: Int4Weight) -> torch.Tensor:  # [groups, out, 2] as kernels take
+    return torch.stack([weight.scales.T, weight.zeros.T], dim=-1).to(KERNEL_DTYPE).contiguous()
 
 
 @functools.cache
-def kernel_works(device: torch.device, dtype: torch.dtype, group_size: int) -> bool:
-    """Whether the device's int4 kernel runs and is right for `dtype` activations and groups."""
+def kernel_works(device: torch.device, group_size: int) -> bool:
+    """Whether the device's int4 kernel runs with `group_size` and computes what it should."""
     if not _kernel_fits(device, 64, 256):
         return False
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(3, 256, generator=gen, device=device).to(dtype)  # [tokens, in]
+    x = torch.randn(3, 256, generator=gen, device=device).to(KERNEL_DTYPE)  # [tokens, in]
     weight = quantize_int4(torch.randn(64, 256, generator=gen, device=device), group_size)
-    sz = _scales_and_zeros(weight, dtype)
+    sz = _scales_and_zeros(weight)
     return kernel_agrees(
-        f"int4 kernel on {device} for {dtype}, group {group_size}",
+        f"int4 kernel on {device}, group {group_size}",
         lambda: _mm(x, _pack(weight.qweight), group_size, sz),
         lambda: F.linear(x.float(), weight.dequantize()),
     )
 
 
 class Int4Linear(nn.Module):
-    """A linear layer over int4 weights; activations, scales, zeros, bias and output in `dtype`."""
+    """A linear layer over int4 weights; input, bias and output in `dtype`, scales and zeros in
+    bfloat16."""
 
     def __init__(
         self,
@@ -168,24 +168,24 @@ class Int4Linear(nn.Module):
         self.packed: torch.Tensor | None
         self.bias: torch.Tensor | None
         self.register_buffer("qweight", weight.qweight.to(device))
-        self.register_buffer("scales_and_zeros", _scales_and_zeros(weight, dtype).to(device))
+        self.register_buffer("scales_and_zeros", _scales_and_zeros(weight).to(device))
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
         self.use_kernel = _kernel_fits(
             device, self.out_features, self.in_features
-        ) and kernel_works(device, dtype, self.group_size)
+        ) and kernel_works(device, self.group_size)
         self.register_buffer("packed", _pack(self.qweight) if self.use_kernel else None)
 
-    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] in the activation dtype
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
         sz = self.scales_and_zeros.float()  # [groups, out, 2]
-        weight = dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T)
-        return weight.to(self.scales_and_zeros.dtype)
+        return dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
         if self.packed is not None and self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:
-            y = _mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+            xk = x2.to(KERNEL_DTYPE)
+            y = _mm(xk, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
         else:
-            y = F.linear(x2, self.dequantize())
+            y = F.linear(x2, self.dequantize(x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)

@@ -2,11 +2,11 @@
 
 Kernel: `torch.ops.aten._weight_int8pack_mm(x, q, scales)` = `(x @ q.T) * scales`, with `q` the
 int8 `[out, in]` matrix as stored (no repacking) and `x` and `scales` in the same floating dtype
-(float32, bfloat16 or float16; the output comes in that dtype). It reads 1 byte per weight, but it
-does not batch rows: its time grows linearly with the number of tokens, so past
-`KERNEL_MAX_TOKENS` (a long prefill) the layer dequantizes and runs one dense matmul instead.
-Fallback, also used where the kernel is unavailable: dequantize to the activation dtype, then
-`F.linear`.
+(float32, bfloat16 or float16; the output comes in that dtype), here bfloat16 (`probe.py`). It
+reads 1 byte per weight, but it does not batch rows: its time grows linearly with the number of
+tokens, so past `KERNEL_MAX_TOKENS` (a long prefill) the layer dequantizes and runs one dense
+matmul instead. Fallback, also used where the kernel is unavailable: dequantize to the activation
+dtype, then `F.linear`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.quant.probe import kernel_agrees
+from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
 
 # Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
 # SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 8 tokens the kernel took 14 ms
@@ -45,21 +45,21 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
 
 
 @functools.cache
-def kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `_weight_int8pack_mm` runs and is right for activations of `dtype` on `device`."""
+def kernel_works(device: torch.device) -> bool:
+    """Whether `_weight_int8pack_mm` runs on `device` and computes what it should."""
     gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(3, 64, generator=gen, device=device).to(dtype)  # [tokens, in]
+    x = torch.randn(3, 64, generator=gen, device=device).to(KERNEL_DTYPE)  # [tokens, in]
     weight = quantize_int8(torch.randn(32, 64, generator=gen, device=device))
-    scales = weight.scales.to(dtype)
+    scales = weight.scales.to(KERNEL_DTYPE)
     return kernel_agrees(
-        f"_weight_int8pack_mm on {device} for {dtype}",
+        f"_weight_int8pack_mm on {device}",
         lambda: torch.ops.aten._weight_int8pack_mm(x, weight.qweight, scales),
         lambda: F.linear(x.float(), weight.qweight.float() * scales.float()[:, None]),
     )
 
 
 class Int8Linear(nn.Module):
-    """A linear layer over int8 weights; activations, scales, bias and output in `dtype`."""
+    """A linear layer over int8 weights; input, bias and output in `dtype`, scales in bfloat16."""
 
     def __init__(
         self,
@@ -74,19 +74,20 @@ class Int8Linear(nn.Module):
         self.scales: torch.Tensor
         self.bias: torch.Tensor | None
         self.register_buffer("qweight", weight.qweight.to(device))
-        self.register_buffer("scales", weight.scales.to(device, dtype))
+        self.register_buffer("scales", weight.scales.to(device, KERNEL_DTYPE))
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
-        self.use_kernel = kernel_works(device, dtype)
+        self.use_kernel = kernel_works(device)
 
-    def dequantize(self) -> torch.Tensor:  # [out_features, in_features] in the scales' dtype
-        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
+        return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
         if self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+            xk = x2.to(KERNEL_DTYPE)
+            y = torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales).to(x.dtype)
         else:
-            y = F.linear(x2, self.dequantize())
+            y = F.linear(x2, self.dequantize(x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
