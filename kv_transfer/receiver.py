@@ -317,12 +317,12 @@ class KVReceiver:
         requests: Iterator[pb.KVChunk],
     ) -> pb.PushReply:
         num_layers, n = self.layout.num_layers, header.num_tokens
-        shape = (2, n, layout.num_kv_heads, layout.head_dim)
+        shape = (2, n, layout.num_kv_heads, layout.slot_dim)
         layer_nbytes = layout.layer_nbytes(n)
         partial: dict[int, tuple[bytearray, int]] = {}  # gRPC plane: layer -> (bytes, filled)
         done: set[int] = set()
         pair = self.pairs.get(header.pair_id) if self.pairs is not None else None
-        staging: torch.Tensor | None = None  # pair plane: [2, num_tokens, heads, dim]
+        staging: torch.Tensor | None = None  # pair plane: [2, num_tokens, heads, slot_dim]
         for chunk in requests:
             part = chunk.WhichOneof("part")
             if part == "trailer":

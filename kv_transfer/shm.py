@@ -30,14 +30,14 @@ def shm_available() -> bool:
 
 
 class SharedKVCache:
-    """Per-layer KV tensors [2, num_blocks, block_size, heads, dim] over one shared file."""
+    """Per-layer KV tensors [2, num_blocks, block_size, heads, slot_dim] over one shared file."""
 
     def __init__(self, path: Path, layout: KVLayout, num_blocks: int, owner: bool) -> None:
         self.path = path
         self.layout = layout
         self.num_blocks = num_blocks
         self.owner = owner
-        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.slot_dim)
         numel = layout.num_layers * math.prod(shape)
         storage = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
         self.kv_caches = list(storage.view(layout.num_layers, *shape).unbind(0))

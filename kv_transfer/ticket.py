@@ -18,49 +18,60 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import DTYPES
+from tandem.config import DTYPES, KV_CACHE_DTYPES
+from tandem.engine.kv_quant import head_dim_of, slot_dim, slot_nbytes
 from tandem.engine.models.config import ModelConfig
 from tandem.v1 import kv_transfer_pb2 as pb
+
+CACHE_DTYPES = DTYPES | KV_CACHE_DTYPES  # a KV cache's dtype by name: float, int8, fp8
+_CACHE_DTYPE_NAMES = {v: k for k, v in CACHE_DTYPES.items()}
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """A worker's paged KV cache: per layer a [2, num_blocks, block_size, heads, dim] tensor."""
+    """A worker's paged KV cache: per layer a [2, num_blocks, block_size, heads, slot_dim]
+    tensor; `slot_dim` is `head_dim`, plus the scale's bytes in a quantized cache (kv_quant.py)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # a key of tandem.config.DTYPES
+    dtype: str  # a key of CACHE_DTYPES: "float32", "bfloat16", "float16", "int8", "fp8"
 
     @classmethod
     def of(cls, kv_caches: list[torch.Tensor]) -> KVLayout:
         _, _, block_size, heads, dim = kv_caches[0].shape
-        names = {v: k for k, v in DTYPES.items()}
-        return cls(len(kv_caches), heads, dim, block_size, names[kv_caches[0].dtype])
+        dtype = kv_caches[0].dtype
+        return cls(
+            len(kv_caches), heads, head_dim_of(dtype, dim), block_size, _CACHE_DTYPE_NAMES[dtype]
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return CACHE_DTYPES[self.dtype]
+
+    @property
+    def slot_dim(self) -> int:
+        return slot_dim(self.torch_dtype, self.head_dim)
 
     def layer_nbytes(self, num_tokens: int) -> int:
-        """Bytes of one layer's wire tensor [2, num_tokens, heads, dim]."""
-        itemsize = torch.empty((), dtype=self.torch_dtype).element_size()
-        return 2 * num_tokens * self.num_kv_heads * self.head_dim * itemsize
+        """Bytes of one layer's wire tensor [2, num_tokens, heads, slot_dim]."""
+        return 2 * num_tokens * self.num_kv_heads * slot_nbytes(self.torch_dtype, self.head_dim)
 
     def to_proto(self) -> pb.KVLayout:
         return pb.KVLayout(**asdict(self))
 
     @classmethod
     def from_proto(cls, msg: pb.KVLayout) -> KVLayout:
-        if msg.dtype not in DTYPES:
+        if msg.dtype not in CACHE_DTYPES:
             raise ValueError(f"unknown KV dtype {msg.dtype!r}")
         return cls(msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, msg.dtype)
 
     def mismatch(self, other: KVLayout) -> str | None:
         """Why KV in `other`'s layout cannot be converted into this one (None: it can).
 
-        Block size and dtype may differ (the receiver converts); the model's shape may not."""
+        Block size and dtype may differ (the receiver converts, quantizing or dequantizing
+        where one side's cache is int8/fp8); the model's shape may not."""
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name}: receiver has {getattr(self, name)}, sender {getattr(other, name)}"

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Quantized KV cache formats (tandem/engine/kv_quant.py); "auto" keeps the model dtype.
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Weight-only quantization of the decoder's linear layers (tandem/engine/quant/), and the
 # int4 group sizes torch's int4 kernels take.
 QUANT_METHODS = ("int8", "int4")
@@ -71,8 +73,14 @@ class CacheConfig:
     memory_gib: float = 1.0  # KV cache budget when num_blocks is not given
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # "auto" (the model dtype) | "int8" | "fp8" (e4m3)
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
@@ -146,6 +154,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype: the model's, or a quantized one."""
+        kv = self.cache.kv_cache_dtype
+        return self.model.torch_dtype if kv == "auto" else KV_CACHE_DTYPES[kv]
 
     @classmethod
     def create(

@@ -17,7 +17,8 @@ from typing import Any
 from rich.console import Console
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore, kv_bytes_per_token
+from tandem.engine.engine import EngineCore
+from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sim import SimProfile, fit_profile
 
@@ -126,7 +127,7 @@ def calibrate(config: CalibrateConfig, console: Console | None = None) -> SimPro
     }
     return fit_profile(
         samples,
-        kv_bytes_per_token=kv_bytes_per_token(cfg, engine_cfg.model),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, engine_cfg.kv_dtype),
         transfer_bytes_per_s=config.transfer_bytes_per_s,
         transfer_latency_s=config.transfer_latency_s,
         source=source,

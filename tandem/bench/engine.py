@@ -69,7 +69,7 @@ from rich.table import Table
 from torch import nn
 
 from tandem.bench.common import progress_bar
-from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS
+from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS, CacheConfig
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS_PATH = PROJECT_ROOT.parent / "shared" / "data" / "specbench_dev.jsonl"
@@ -95,6 +95,7 @@ class BenchConfig:
     model: str = DEFAULT_MODEL
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     quantization: str | None = None  # the engine's linear layers: int8 | int4
+    kv_cache_dtype: str = "auto"  # the engine's KV cache: auto (each dtype) | int8 | fp8
     threads: int = 2
     new_tokens: int = 128
     batch: int = 16
@@ -125,6 +126,7 @@ class BenchConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.bandwidth_mib < 16:
             raise ValueError(f"bandwidth_mib must be >= 16, got {self.bandwidth_mib}")
+        CacheConfig(kv_cache_dtype=self.kv_cache_dtype)  # raises ValueError naming the field
 
     def quick(self) -> BenchConfig:
         """A check that the whole pipeline works (about a minute), not a measurement."""
@@ -192,6 +194,7 @@ class EngineSide:
             config.model,
             dtype=dtype,
             quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
             num_threads=config.threads,
             enable_prefix_caching=False,
             max_num_seqs=max(64, config.batch),

@@ -6,9 +6,13 @@ request's whole context. `TorchSDPABackend` is the portable implementation (CPU,
 device); fused CUDA backends (FlashAttention, FlashInfer, CUDA graphs) implement the same two
 methods.
 
-KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, head_dim]`.
-Query heads are grouped per KV head (GQA) by folding the group into the query-length axis, so
-keys and values are never repeated.
+KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, slot_dim]`;
+`slot_dim = head_dim` in a float cache, and a quantized cache (int8, fp8) appends each slot's
+scale (`kv_quant.py`). Keys/values are encoded into the cache's format as they are written and
+decoded to the compute dtype as they are read; a quantized cache is read back even by a fresh
+prompt, so every query sees the same KV whether its prompt was chunked, prefix-cached, recomputed
+or transferred. Query heads are grouped per KV head (GQA) by folding the group into the
+query-length axis, so keys and values are never repeated.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from tandem.engine.kv_quant import copy_slots, decode, encode, is_quantized, select_slots
 
 # Requests whose step covers at most this many tokens (decodes, speculative verification) attend
 # together in one padded SDPA call; longer prefill chunks attend one request at a time.
@@ -86,7 +92,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [num_tokens, num_heads * head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads * head_dim]
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, slot_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         ...
@@ -164,9 +170,9 @@ class TorchSDPABackend(AttentionBackend):
         hkv, d = self.num_kv_heads, self.head_dim
         group = self.num_heads // hkv
         # Write this step's keys/values into their slots.
-        flat = kv_cache.view(2, -1, hkv, d)  # [2, num_slots, hkv, d]
-        flat[0].index_copy_(0, meta.slot_mapping, k.view(-1, hkv, d))
-        flat[1].index_copy_(0, meta.slot_mapping, v.view(-1, hkv, d))
+        flat = kv_cache.view(2, -1, hkv, kv_cache.shape[-1])  # [2, num_slots, hkv, slot_dim]
+        copy_slots(flat[0], 0, meta.slot_mapping, encode(k.view(-1, hkv, d), kv_cache.dtype))
+        copy_slots(flat[1], 0, meta.slot_mapping, encode(v.view(-1, hkv, d), kv_cache.dtype))
         out = torch.empty_like(q)
         if (b := meta.batched) is not None:
             out[b.token_slice] = self._batched(q[b.token_slice], kv_cache, b, group)
@@ -190,10 +196,8 @@ class TorchSDPABackend(AttentionBackend):
             .permute(0, 2, 3, 1, 4)
             .reshape(num_b, hkv, group * max_q, d)
         )
-        ctx = b.context_len
-        keys = _gather(kv_cache[0], b.block_tables).view(num_b, -1, hkv, d)[:, :ctx].transpose(1, 2)
-        values = _gather(kv_cache[1], b.block_tables).view(num_b, -1, hkv, d)[:, :ctx]
-        values = values.transpose(1, 2)
+        keys = _gather(kv_cache[0], b.block_tables, q.dtype, b.context_len).transpose(1, 2)
+        values = _gather(kv_cache[1], b.block_tables, q.dtype, b.context_len).transpose(1, 2)
         o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=b.mask, scale=self.scale)
         # [B, hkv, group * max_q, d] -> [B * max_q, hkv * group * d]
         o = o.view(num_b, hkv, group, max_q, d).permute(0, 3, 1, 2, 4).reshape(num_b * max_q, -1)
@@ -212,22 +216,29 @@ class TorchSDPABackend(AttentionBackend):
         n = q.shape[0]
         # [n, hkv, group, d] -> [1, hkv, group * n, d]
         qh = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * n, d)
-        if s.num_computed_tokens == 0:
+        if s.num_computed_tokens == 0 and not is_quantized(kv_cache.dtype):
             keys, values = k.view(n, hkv, d), v.view(n, hkv, d)
         else:
             ctx = s.num_computed_tokens + n
-            keys = _gather(kv_cache[0], s.block_table).view(-1, hkv, d)[:ctx]
-            values = _gather(kv_cache[1], s.block_table).view(-1, hkv, d)[:ctx]
+            keys = _gather(kv_cache[0], s.block_table, q.dtype, ctx)
+            values = _gather(kv_cache[1], s.block_table, q.dtype, ctx)
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=s.mask, scale=self.scale)
         return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, -1)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Blocks `block_ids` (any shape) of one layer's K or V cache, as rows of whole blocks.
+def _gather(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, slot_dim], one layer's K or V
+    block_ids: torch.Tensor,  # [num_blocks_per_seq] or [B, num_blocks_per_seq]
+    dtype: torch.dtype,
+    context_len: int,
+) -> torch.Tensor:  # [context_len, hkv, head_dim] or [B, context_len, hkv, head_dim], in dtype
+    """The first `context_len` tokens of the blocks `block_ids`, decoded to `dtype`.
 
     `index_select` over a 2-D view copies each block as one contiguous row; on CPU it is ~6x
     faster than advanced indexing of the 4-D cache.
     """
-    rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * num_kv_heads * head_dim]
-    return rows.index_select(0, block_ids.reshape(-1))
+    rows = cache.view(cache.shape[0], -1)  # [num_blocks, block_size * num_kv_heads * slot_dim]
+    blocks = select_slots(rows, 0, block_ids.reshape(-1))
+    tokens = blocks.view(*block_ids.shape[:-1], -1, *cache.shape[2:])
+    return decode(tokens[..., :context_len, :, :], dtype)

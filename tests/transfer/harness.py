@@ -40,6 +40,7 @@ from kv_transfer.state import FailureCause, TransferError, TransferState
 from prefill_worker.worker import PrefillResult, PrefillWorker
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
+from tandem.engine.kv_quant import encode
 from tandem.engine.loop import EngineLoop
 from tandem.engine.sampling_params import SamplingParams
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -53,7 +54,7 @@ T = TypeVar("T")
 def gather_kv(
     kv_caches: list[torch.Tensor], block_ids: list[int], num_tokens: int
 ) -> list[torch.Tensor]:
-    """Per layer, the token-major KV [2, num_tokens, heads, dim] of a block table."""
+    """Per layer, the token-major KV [2, num_tokens, heads, slot_dim] of a block table."""
     block_size = kv_caches[0].shape[2]
     slots = slot_mapping(block_ids, block_size, num_tokens, kv_caches[0].device)
     return [gather_tokens(cache, slots) for cache in kv_caches]
@@ -71,9 +72,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def colocated_greedy(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """What an engine in the default role generates for the prompts, greedily."""
-    engine = EngineCore(EngineConfig.create(model, num_blocks=256))
+def colocated_greedy(
+    model: str, prompts: list[list[int]], max_tokens: int, **options: Any
+) -> list[list[int]]:
+    """What an engine in the default role generates for the prompts, greedily; `options` go to
+    the engine config."""
+    engine = EngineCore(EngineConfig.create(model, num_blocks=256, **options))
     reqs = [engine.add_request(f"r{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
@@ -282,10 +286,12 @@ class _Host:
         assert isinstance(obj, kind), f"{name} is a {type(obj).__name__}, not a {kind.__name__}"
         return obj
 
-    def colocated(self, model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    def colocated(
+        self, model: str, prompts: list[list[int]], max_tokens: int, **options: Any
+    ) -> list[list[int]]:
         # Here rather than in the test process: a process that loaded the model before parses
         # a GGUF file's metadata (seconds) only once.
-        return colocated_greedy(model, prompts, max_tokens)
+        return colocated_greedy(model, prompts, max_tokens, **options)
 
     def close(self, name: str) -> None:
         obj = self.objects.pop(name)
@@ -460,7 +466,7 @@ class _Host:
         if cache is not None:
             kv_caches = cache.kv_caches
         else:
-            shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+            shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.slot_dim)
             kv_caches = [
                 torch.zeros(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)
             ]
@@ -487,11 +493,12 @@ class _Host:
         channel: str,
         fingerprint: str = "bare-model",
     ) -> None:
-        """A KVSender over caches of random values."""
+        """A KVSender over caches of random values (quantized ones with their scales)."""
         g = torch.Generator().manual_seed(seed)
         shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         kv_caches = [
-            torch.randn(shape, generator=g).to(layout.torch_dtype) for _ in range(layout.num_layers)
+            encode(torch.randn(shape, generator=g), layout.torch_dtype)
+            for _ in range(layout.num_layers)
         ]
         self.objects[name] = _Bare(KVSender(fingerprint, channel=channel), kv_caches)
 
