@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch.distributed import Work
 
-from kv_transfer.layout import as_bytes, gather_tokens, scatter_tokens, slot_mapping
+from kv_transfer.layout import as_bytes, copy_tokens, gather_tokens, slot_mapping
 from kv_transfer.pairs import Pair, wait_sent
 from kv_transfer.shm import SharedKVCache
 from kv_transfer.state import FailureCause, TransferError
@@ -94,9 +94,8 @@ class ShmPlane(DataPlane):
     def send_layer(
         self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
     ) -> Iterator[pb.LayerChunk]:
-        tokens = gather_tokens(cache, slots)
         # The fence: past the receiver's deadline its blocks may belong to another request.
         if time.monotonic() >= deadline:
             raise TransferError(FailureCause.TIMEOUT, "past the receiver's deadline: not writing")
-        scatter_tokens(self.target.kv_caches[layer], self.dst_slots, tokens)
+        copy_tokens(cache, slots, self.target.kv_caches[layer], self.dst_slots)
         yield pb.LayerChunk(layer=layer)

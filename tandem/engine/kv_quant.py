@@ -14,13 +14,17 @@ carries its scales. A slot costs `head_dim + 4` bytes against `2 * head_dim` in 
 head_dim 64). Rounding is to nearest; the int8 error of one element is at most scale / 2.
 
 Slots move through uint8 views: `index_copy_` and `index_select` lack float8 kernels on some
-devices, and a byte copy is what a move is anyway.
+devices, and a byte copy is what a move is anyway. On CPU they move through NumPy, whose
+single-threaded gathers and scatters run 4-6x faster than torch's here (8k tokens of one SmolLM2
+layer: scatter 2 ms against 12 ms for `index_copy_`), and on a busy host far faster than an
+OpenMP parallel copy whose threads wait for each other.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -80,9 +84,16 @@ def decode(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def select_slots(cache: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
     """`cache.index_select(dim, index)` as a byte copy (any dtype; `dim` not the last)."""
-    return cache.view(torch.uint8).index_select(dim, index).view(cache.dtype)
+    raw = cache.view(torch.uint8)
+    if raw.device.type == "cpu":
+        return torch.from_numpy(np.take(raw.numpy(), index.numpy(), axis=dim)).view(cache.dtype)
+    return raw.index_select(dim, index).view(cache.dtype)
 
 
 def copy_slots(cache: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """`cache.index_copy_(dim, index, src)` as a byte copy; `src` has the cache's dtype."""
-    cache.view(torch.uint8).index_copy_(dim, index, src.view(torch.uint8))
+    raw, src_raw = cache.view(torch.uint8), src.view(torch.uint8)
+    if raw.device.type == "cpu":
+        raw.numpy()[(slice(None),) * dim + (index.numpy(),)] = src_raw.numpy()
+    else:
+        raw.index_copy_(dim, index, src_raw)

@@ -11,7 +11,15 @@ import torch
 
 from kv_transfer import FailureCause, KVLayout, KVTicket, TransferError, TransferState
 from kv_transfer.fake import FaultyPlane, at_layer
-from kv_transfer.layout import as_bytes, from_bytes, gather_tokens, scatter_tokens, slot_mapping
+from kv_transfer import layout
+from kv_transfer.layout import (
+    as_bytes,
+    copy_tokens,
+    from_bytes,
+    gather_tokens,
+    scatter_tokens,
+    slot_mapping,
+)
 from kv_transfer.planes import DataPlane
 from kv_transfer.state import TransferStatus
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -49,6 +57,40 @@ def test_gather_then_scatter_across_block_sizes_round_trips() -> None:
     assert torch.equal(gather_tokens(dst, dst_slots), wire)
     assert int(dst[:, 2, n:].count_nonzero()) == 0  # the block's tail stays untouched
     assert int(dst[:, [0, 1, 3, 4]].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("max_runs", [0, 64])  # 0: indexed copies; 64: slices of runs
+@pytest.mark.parametrize(
+    ("src_blocks", "dst_blocks", "dst_block_size"),
+    [
+        ([0, 1, 2, 3], [4, 5, 6, 7], 4),  # consecutive on both sides
+        ([6, 1, 3, 0], [2, 7, 4, 5], 4),  # scattered, blocks line up
+        ([6, 1, 3, 0], [3, 1], 8),  # scattered, another block size
+    ],
+)
+def test_copy_and_gather_scatter_paths_agree(
+    monkeypatch: pytest.MonkeyPatch,
+    max_runs: int,
+    src_blocks: list[int],
+    dst_blocks: list[int],
+    dst_block_size: int,
+) -> None:
+    monkeypatch.setattr(layout, "MAX_SLICE_RUNS", max_runs)
+    n = 14  # the last source block is partial
+    src = torch.randn(2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(2))
+    src_slots = slot_mapping(src_blocks, 4, n, CPU)
+    expected = src.view(2, -1, 2, 8)[:, src_slots]  # [2, n, heads, dim]
+    assert torch.equal(gather_tokens(src, src_slots), expected)
+
+    num_dst_blocks = 32 // dst_block_size
+    dst_slots = slot_mapping(dst_blocks, dst_block_size, n, CPU)
+    copied, scattered = paged(num_dst_blocks, dst_block_size), paged(num_dst_blocks, dst_block_size)
+    copy_tokens(src, src_slots, copied, dst_slots)
+    scatter_tokens(scattered, dst_slots, expected)
+    for dst in (copied, scattered):
+        assert torch.equal(gather_tokens(dst, dst_slots), expected)
+        others = [b for b in range(num_dst_blocks) if b not in dst_blocks]
+        assert int(dst[:, others].count_nonzero()) == 0  # nothing outside the reservation
 
 
 @pytest.mark.parametrize(
