@@ -275,7 +275,6 @@ def test_spec_train_runs_saves_and_loads(
         num_heads=2,
         draft_layers=1,
         gen_tokens=24,
-        gen_batch=4,
         window=20,
         batch_positions=40,
         eval_prompts=2,

@@ -6,7 +6,7 @@ target on CPU (or any device) within a time budget.
    final (normed) hidden state at every position is recorded while it generates (no second pass;
    prefix caching is off so that every prompt position is computed). The teacher distribution at
    position j, p_j = softmax(lm_head(h_j)), is recomputed from h_j when a loss needs it.
-2. Training (until `TRAIN_SHARE` of the budget), on the response part of each sequence:
+2. Training (until `TRAIN_SHARE` of the budget), on every position of the corpus:
    - medusa: head i on h_j against p_{j+i+1}, the target's distribution of token j + i + 2; soft
      cross-entropy weighted 0.8^i; residual blocks start at zero, so each head starts as the
      target's LM head (as Medusa's do) and shares it (`own_lm_head: false`).
@@ -56,9 +56,10 @@ from tandem.engine.spec.metrics import SpecStats
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
 
 METHODS = ("eagle", "medusa", "draft")
-CORPUS_SHARE = 0.3  # of the budget, at most, for generating the corpus
+CORPUS_SHARE = 0.4  # of the budget, at most, for generating the corpus
 TRAIN_SHARE = 0.8  # training ends here; evaluation takes the rest (it is not cut short)
 REPORT_FILE = "train_report.json"
+EAGLE_NOISE = 0.2  # width of the uniform noise on the head's input states (EAGLE-1's)
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,8 @@ class TrainConfig:
     num_threads: int | None = None
     num_heads: int = 4  # medusa heads
     draft_layers: int = 4  # draft: the target's first layers it keeps
-    gen_tokens: int = 128  # greedy tokens generated per corpus prompt
-    gen_batch: int = 32  # corpus prompts generated at once
+    gen_tokens: int = 96  # greedy tokens generated per corpus prompt, at most
+    corpus_kv_gib: float = 3.0  # KV cache of the corpus run: every prompt runs at once
     max_prompt_tokens: int = 1024  # longer prompts are left out of the corpus
     window: int = 1024  # eagle / draft: positions of a sequence a training step sees, at most
     batch_positions: int = 1024  # eagle / draft: positions per training step
@@ -170,25 +171,26 @@ def generate_corpus(
     progress: Callable[[int], None],
 ) -> list[Sample]:
     """Greedy continuations of `prompts` with the target's hidden states, until all are done or
-    `deadline` (but at least one is done); then a request still decoding is kept with its text
-    so far, the others dropped."""
+    `deadline` (one engine step at least); then each request is kept as far as it got (a
+    prompt, part of one, a partial response). All prompts run at once (as many as the engine
+    seats): their prefill comes first and yields far more positions per second than decoding."""
     engine = llm.engine
     assert isinstance(engine.runner, ModelRunner)
     recorder = _HiddenRecorder()
     engine.proposer, engine.runner.keep_hidden = recorder, True  # the engine's proposer hook
     params = SamplingParams(max_tokens=config.gen_tokens, temperature=0.0)
     requests = [engine.add_request(f"corpus-{i}", ids, params) for i, ids in enumerate(prompts)]
-    done = 0
-    while engine.has_unfinished() and (time.monotonic() < deadline or not done):
-        finished = sum(delta.finished for delta in engine.step())
-        done += finished
-        progress(finished)
+    while engine.has_unfinished():  # at least one step
+        progress(sum(delta.finished for delta in engine.step()))
+        if time.monotonic() >= deadline:
+            break
     corpus: list[Sample] = []
     for req in requests:
-        if req.output_token_ids:  # its whole prompt was computed
-            tokens = torch.tensor(req.all_token_ids)
-            hidden = recorder.states(req.request_id, len(tokens) - 1)
-            corpus.append(Sample(tokens, hidden, req.num_prompt_tokens))
+        num_computed = req.num_computed_tokens  # positions with a hidden state (and a next token)
+        if num_computed:
+            tokens = torch.tensor(req.all_token_ids[: num_computed + 1])
+            hidden = recorder.states(req.request_id, num_computed)
+            corpus.append(Sample(tokens, hidden, min(req.num_prompt_tokens, num_computed + 1)))
         engine.abort(req.request_id)
     engine.proposer, engine.runner.keep_hidden = None, False
     return corpus
@@ -220,7 +222,10 @@ def soft_cross_entropy(logits: Tensor, target_probs: Tensor) -> Tensor:
 
 
 class _Batches:
-    """Random training positions and windows over the response part of the corpus."""
+    """Random training positions and windows over the corpus, prompts included: prompt
+    positions cost the corpus a prefill only, and with the teacher's own distributions as
+    targets they teach what the responses do (a corpus of responses alone is overfit in
+    minutes: 63% top-1 on it, 15% held out)."""
 
     def __init__(self, corpus: Sequence[Sample], config: TrainConfig, seed: int) -> None:
         self.corpus = corpus
@@ -228,43 +233,33 @@ class _Batches:
         self.rng = random.Random(seed)
 
     def positions(self, count: int, lookahead: int) -> tuple[Tensor, list[tuple[int, int]]]:
-        """`count` (sequence, position j) with j in the response and h_{j+lookahead} known;
+        """`count` (sequence, position j) with h_{j+lookahead} known, uniform over positions;
         returns the states h_j [count, hidden] and the pairs."""
-        ranges = {
-            i: (seq.prompt_len - 1, len(seq.hidden) - 1 - lookahead)
-            for i, seq in enumerate(self.corpus)
-        }
-        eligible = [i for i, (low, high) in ranges.items() if low <= high]
-        if not eligible:
-            raise ValueError(f"no corpus response is longer than {lookahead + 1} tokens")
-        pairs = [(i, self.rng.randint(*ranges[i])) for i in self.rng.choices(eligible, k=count)]
+        sizes = [max(0, len(seq.hidden) - lookahead) for seq in self.corpus]
+        if not any(sizes):
+            raise ValueError(f"no corpus sequence is longer than {lookahead + 1} tokens")
+        picks = self.rng.choices(range(len(self.corpus)), weights=sizes, k=count)
+        pairs = [(i, self.rng.randrange(sizes[i])) for i in picks]
         return torch.stack([self.corpus[i].hidden[j] for i, j in pairs]), pairs
 
     def windows(self, last: int) -> tuple[list[tuple[Sample, int, int]], Tensor]:
         """Whole sequences, positions [0, len(hidden) - last) (the last `window` of them if
         longer: the heads see the whole context when drafting), `batch_positions` in all (at
-        least one sequence); and `loss_rows` rows of their concatenation, at random among the
-        response's, the ones a step sends through the LM head."""
-        # Training attention needs more than 16 positions; the loss needs a response.
-        eligible = [
-            seq
-            for seq in self.corpus
-            if len(seq.hidden) - last > 16 and len(seq.hidden) - last >= seq.prompt_len
-        ]
+        least one sequence); and `loss_rows` rows of their concatenation, at random, the ones a
+        step sends through the LM head."""
+        eligible = [seq for seq in self.corpus if len(seq.hidden) - last > 16]  # attention
         if not eligible:
-            raise ValueError("no corpus sequence is longer than 17 tokens with a response")
+            raise ValueError("no corpus sequence is longer than 17 tokens")
         windows: list[tuple[Sample, int, int]] = []
-        response: list[int] = []
         total = 0
         while total < self.config.batch_positions:
             seq = self.rng.choice(eligible)
             end = len(seq.hidden) - last
             start = max(0, end - self.config.window)
-            response += range(total + max(0, seq.prompt_len - 1 - start), total + end - start)
             windows.append((seq, start, end))
             total += end - start
-        count = min(len(response), self.config.loss_rows)
-        return windows, torch.tensor(sorted(self.rng.sample(response, count)))
+        rows = self.rng.sample(range(total), min(total, self.config.loss_rows))
+        return windows, torch.tensor(sorted(rows))
 
 
 def _window_meta(
@@ -321,7 +316,7 @@ class _MedusaTrainer(_Trainer):
 
 
 class _EagleTrainer(_Trainer):
-    lr = 3e-4
+    lr = 1e-3
 
     def __init__(self, llm: LLM, config: TrainConfig) -> None:
         self.target = _target(llm)
@@ -346,7 +341,8 @@ class _EagleTrainer(_Trainer):
         with torch.no_grad():
             embeds = self.target.embed_tokens(tokens)
             teacher = self.target.compute_logits(targets[rows]).softmax(dim=-1)
-        features = self.head(embeds, states, positions, [_NO_CACHE], meta)
+        noise = (torch.rand_like(states) - 0.5) * EAGLE_NOISE  # drafting feeds its own features
+        features = self.head(embeds, states + noise, positions, [_NO_CACHE], meta)
         regression = F.smooth_l1_loss(features, targets)
         logits = self.target.compute_logits(features[rows])
         return regression + 0.1 * soft_cross_entropy(logits, teacher)
@@ -356,7 +352,7 @@ class _EagleTrainer(_Trainer):
 
 
 class _DraftTrainer(_Trainer):
-    lr = 5e-5
+    lr = 1e-4
 
     def __init__(self, llm: LLM, config: TrainConfig) -> None:
         self.llm = llm
@@ -465,7 +461,8 @@ def train(config: TrainConfig, console: Console) -> TrainResult:
         config.model,
         device=config.device,
         enable_prefix_caching=False,  # every prompt position must be computed (and recorded)
-        max_num_seqs=config.gen_batch,
+        max_num_seqs=len(questions),
+        memory_gib=config.corpus_kv_gib,
         num_threads=config.num_threads,
     )
     prompts = [ids for q in questions if len(ids := prompt_ids(llm, q)) <= config.max_prompt_tokens]
