@@ -1,4 +1,4 @@
-"""`tandem` command line: models, generate, serve, bench."""
+"""`tandem` command line: models, generate, serve, bench, spec."""
 
 from __future__ import annotations
 
@@ -12,21 +12,32 @@ from rich.table import Table
 from tandem.bench.experiment_cli import bench_experiment
 from tandem.bench.serve_cli import bench_serve, bench_sla
 from tandem.bench.sim_cli import register_sim_commands
+from tandem.bench.spec_cli import bench_spec
 from tandem.config import DEFAULT_MODEL
+from tandem.spec_cli import spec_train
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
 models_app = typer.Typer(no_args_is_help=True, help="Manage local models.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
 app.add_typer(models_app, name="models")
 app.add_typer(bench_app, name="bench")
+spec_app = typer.Typer(no_args_is_help=True, help="Speculative decoding: train draft heads.")
+app.add_typer(spec_app, name="spec")
+spec_app.command("train")(spec_train)  # options in tandem/spec_cli.py
 console = Console()
 
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
+SpecOpt = Annotated[str | None, typer.Option(help="Speculative decoding: ngram|draft|layerskip:N.")]
+DraftModelOpt = Annotated[str | None, typer.Option(help="--spec draft: the draft model.")]
 QuantOpt = Annotated[str | None, typer.Option(help="Weights of the linear layers: int8 | int4.")]
 GroupSizeOpt = Annotated[
     int, typer.Option(help="int4: input channels per scale and zero (32 | 64 | 128 | 256).")
+]
+KVCacheDtypeOpt = Annotated[
+    str,
+    typer.Option(help="KV cache: auto (the model dtype) | int8 | fp8 (e4m3), scaled per token."),
 ]
 
 
@@ -70,18 +81,20 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int | None = None,
-    spec: Annotated[str | None, typer.Option(help="Speculative decoding: ngram.")] = None,
+    spec: SpecOpt = None,
+    draft_model: DraftModelOpt = None,
     num_spec_tokens: int = 5,
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
 ) -> None:
     """Generate a completion with the offline engine, streamed to the terminal."""
     from tandem.engine import LLM, SamplingParams
 
-    speculative = {"method": spec, "num_speculative_tokens": num_spec_tokens} if spec else None
+    speculative = _speculative(spec, draft_model, num_speculative_tokens=num_spec_tokens)
     try:
         llm = LLM(
             model,
@@ -90,6 +103,7 @@ def generate(
             speculative=speculative,
             quantization=quantization,
             quant_group_size=quant_group_size,
+            kv_cache_dtype=kv_cache_dtype,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
@@ -118,10 +132,34 @@ def generate(
         )
 
 
-def _engine_config(model: str, dtype: str, device: str, spec: str | None, **flat: object) -> Any:
+def _speculative(
+    spec: str | None, draft_model: str | None, **options: Any
+) -> dict[str, Any] | None:
+    """`--spec METHOD[:N]` (N: layerskip's num_layers) and `--draft-model` as the engine's
+    `speculative` dict; None without --spec."""
+    if not spec:
+        return None
+    method, _, arg = spec.partition(":")
+    if arg and (method != "layerskip" or not arg.isdigit()):
+        raise typer.BadParameter(f"expected ngram, draft or layerskip:N, got {spec!r}")
+    if arg:
+        options["num_layers"] = int(arg)
+    if draft_model is not None:
+        options["draft_model"] = draft_model
+    return {"method": method, **options}
+
+
+def _engine_config(
+    model: str,
+    dtype: str,
+    device: str,
+    spec: str | None,
+    draft_model: str | None = None,
+    **flat: object,
+) -> Any:
     from tandem.config import EngineConfig
 
-    speculative = {"method": spec} if spec else None
+    speculative = _speculative(spec, draft_model)
     return EngineConfig.create(model, speculative, dtype=dtype, device=device, **flat)
 
 
@@ -136,7 +174,8 @@ def serve(
     host: str = "127.0.0.1",
     http_port: int = 8000,
     grpc_port: int = 50051,
-    spec: Annotated[str | None, typer.Option(help="Speculative decoding on D: ngram.")] = None,
+    spec: SpecOpt = None,
+    draft_model: DraftModelOpt = None,
     dtype: DtypeOpt = "float32",
     autoscale: Annotated[bool, typer.Option(help="SLO autoscaler (Ray only).")] = False,
     dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
@@ -149,6 +188,9 @@ def serve(
     ] = False,
     kv_memory_gib: Annotated[float, typer.Option(help="KV cache per worker, GiB.")] = 1.0,
     block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
+    quantization: QuantOpt = None,
+    quant_group_size: GroupSizeOpt = 32,
     max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
     num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
     engine: Annotated[str, typer.Option(help="--no-ray: real | sim workers.")] = "real",
@@ -162,7 +204,7 @@ def serve(
 
     cluster: RayCluster | LocalCluster
     if ray:
-        decode_engine = {"speculative": {"method": spec}} if spec else {}
+        decode_engine = {"speculative": _speculative(spec, draft_model)} if spec else {}
         pools = {
             role: PoolSpec(
                 cpus_per_worker,
@@ -176,7 +218,9 @@ def serve(
             model, prefill, decode, address, redis, host, http_port, grpc_port,
             engine={
                 "dtype": dtype, "device": device, "memory_gib": kv_memory_gib,
-                "block_size": block_size, "max_num_seqs": max_num_seqs, "num_threads": num_threads,
+                "block_size": block_size, "kv_cache_dtype": kv_cache_dtype,
+                "quantization": quantization, "quant_group_size": quant_group_size,
+                "max_num_seqs": max_num_seqs, "num_threads": num_threads,
             },
             decode_engine=decode_engine,
             prefill_pool=pools["prefill"], decode_pool=pools["decode"],
@@ -185,7 +229,11 @@ def serve(
         )  # fmt: skip
     else:
         worker_args = ["--dtype", dtype, "--kv-memory-gib", str(kv_memory_gib)]
-        worker_args += ["--block-size", str(block_size)] + (["--spec", spec] if spec else [])
+        worker_args += ["--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype]
+        worker_args += ["--quantization", quantization] if quantization else []
+        worker_args += ["--quant-group-size", str(quant_group_size)]
+        worker_args += ["--spec", spec] if spec else []
+        worker_args += ["--draft-model", draft_model] if draft_model else []
         if num_threads is not None:
             worker_args += ["--num-threads", str(num_threads)]
         worker_args += ["--engine", engine]
@@ -381,10 +429,12 @@ def worker(
     device: DeviceOpt = "cpu",
     kv_memory_gib: Annotated[float, typer.Option(help="KV cache memory, GiB.")] = 1.0,
     block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
     num_threads: Annotated[int | None, typer.Option(help="torch threads on CPU.")] = None,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step.")] = 2048,
     chunked_prefill: Annotated[bool, typer.Option(help="Split long prompts over steps.")] = True,
-    spec: Annotated[str | None, typer.Option(help="decode: speculative decoding (ngram).")] = None,
+    spec: SpecOpt = None,
+    draft_model: DraftModelOpt = None,
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
@@ -403,10 +453,10 @@ def worker(
         raise typer.BadParameter("must be prefill or decode", param_hint="ROLE")
     stop = drain_signal()  # before registering: a signal during startup still drains
     config = _engine_config(
-        model, dtype, device, spec if role == "decode" else None,
-        memory_gib=kv_memory_gib, block_size=block_size, num_threads=num_threads,
-        max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=chunked_prefill,
-        engine=engine, sim_profile=sim_profile,
+        model, dtype, device, spec if role == "decode" else None, draft_model,
+        memory_gib=kv_memory_gib, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+        num_threads=num_threads, max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,
         quantization=quantization, quant_group_size=quant_group_size,
     )  # fmt: skip
     if role == "prefill":
@@ -430,6 +480,7 @@ def bench_engine(
     model: ModelOpt = DEFAULT_MODEL,
     dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes.")] = "float32,bfloat16",
     quantization: QuantOpt = None,
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
     threads: int = 2,
     new_tokens: int = 128,
     batch: int = 16,
@@ -456,6 +507,7 @@ def bench_engine(
             model=model,
             dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()),
             quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
             threads=threads,
             new_tokens=new_tokens,
             batch=batch,
@@ -549,6 +601,7 @@ bench_app.command("serve")(bench_serve)  # options in tandem/bench/serve_cli.py
 bench_app.command("sla")(bench_sla)
 register_sim_commands(bench_app)  # calibrate, router, sim-cluster: tandem/bench/sim_cli.py
 bench_app.command("experiment")(bench_experiment)  # tandem/bench/experiment_cli.py
+bench_app.command("spec")(bench_spec)  # tandem/bench/spec_cli.py
 
 
 if __name__ == "__main__":

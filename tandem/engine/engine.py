@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from tandem import hub
-from tandem.config import EngineConfig, ModelSettings
+from tandem.config import EngineConfig
 from tandem.engine.attention import TorchSDPABackend
 from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models import load_model
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.loader import load_config
 from tandem.engine.request import Request, RequestStatus
@@ -27,6 +27,7 @@ from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.sim import SimModel, SimProfile, SimRunner
 from tandem.engine.spec.adaptive import num_draft_tokens
+from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import make_proposer
 from tandem.engine.spec.proposer import Proposer, StepHidden
 
@@ -44,12 +45,6 @@ class RequestDelta:
         return self.request.status.finished
 
 
-def kv_bytes_per_token(cfg: ModelConfig, settings: ModelSettings) -> int:
-    """KV bytes one token takes in the real model's layout and the engine's dtype."""
-    itemsize = torch.empty((), dtype=settings.torch_dtype).element_size()
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
         self.config = config
@@ -58,6 +53,7 @@ class EngineCore:
             torch.set_num_threads(mc.num_threads)
         self.model_path = hub.resolve(mc.model)
         block_size = config.cache.block_size
+        kv_dtype = config.kv_dtype
         self.model: LlamaForCausalLM | SimModel
         self.sim: SimProfile | None = None  # the timing model of a simulated engine
         if mc.engine == "sim":  # the real config and tokenizer, no weights
@@ -65,7 +61,7 @@ class EngineCore:
             real = load_config(self.model_path)
             self.model = SimModel.of(real, self.sim.sim_layers)
             if not self.sim.kv_bytes_per_token:
-                self.sim = replace(self.sim, kv_bytes_per_token=kv_bytes_per_token(real, mc))
+                self.sim = replace(self.sim, kv_bytes_per_token=kv_bytes_per_token(real, kv_dtype))
             bytes_per_block = self.sim.kv_bytes_per_token * block_size
         else:
             self.model = load_model(
@@ -77,7 +73,8 @@ class EngineCore:
                 mc.quantization,
                 mc.quant_group_size,
             )
-            bytes_per_block = ModelRunner.kv_bytes_per_block(self.model, block_size, mc.torch_dtype)
+            bytes_per_block = kv_bytes_per_token(self.model.cfg, kv_dtype) * block_size
+            bytes_per_block += draft_kv_bytes_per_block(config.spec, block_size, kv_dtype)
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = min(
@@ -101,7 +98,7 @@ class EngineCore:
                 self.model,
                 num_blocks,
                 block_size,
-                mc.torch_dtype,
+                kv_dtype,
                 mc.torch_device,
                 cfg.eos_token_ids,
             )

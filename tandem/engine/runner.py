@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, AttentionBackend, SeqSpec
+from tandem.engine.kv_quant import slot_dim
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.sampler import (
@@ -65,7 +66,9 @@ class ModelRunner:
         self.backend: AttentionBackend = model.backend
         self.device = device
         self.eos_token_ids = eos_token_ids
-        shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # [2, num_blocks, block_size, num_kv_heads, slot_dim]: slot_dim counts a quantized
+        # cache's scales (kv_quant.py)
+        shape = (2, num_blocks, block_size, cfg.num_kv_heads, slot_dim(kv_dtype, cfg.head_dim))
         self.kv_caches = [
             torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(cfg.num_layers)
         ]
@@ -82,12 +85,6 @@ class ModelRunner:
         ):
             raise ValueError("KV caches must match the engine's layers, shape, dtype and device")
         self.kv_caches = kv_caches
-
-    @staticmethod
-    def kv_bytes_per_block(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-        cfg = model.cfg
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInput:
         scheduled = sorted(out.scheduled, key=lambda s: s.num_new_tokens > MAX_BATCHED_QUERY_LEN)

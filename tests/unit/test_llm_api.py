@@ -238,7 +238,15 @@ def test_cli_generate(llm: LLM, cli: tuple[CliRunner, list[dict[str, Any]]]) -> 
     result = runner.invoke(app, ["generate", "Hello", "--max-tokens", "8"])
     assert result.exit_code == 0, result.output
     assert calls == [
-        {"model": "smollm2-135m", "dtype": "float32", "device": "cpu", "speculative": None}
+        {
+            "model": "smollm2-135m",
+            "dtype": "float32",
+            "device": "cpu",
+            "speculative": None,
+            "quantization": None,
+            "quant_group_size": 32,
+            "kv_cache_dtype": "auto",
+        }
     ]
     (expected,) = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0))
     assert result.output.startswith(expected.text + "\n")

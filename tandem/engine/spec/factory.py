@@ -8,6 +8,9 @@ from typing import Any
 from tandem.config import ModelSettings, SpecConfig
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.runner import ModelRunner
+from tandem.engine.spec.draft import layerskip_proposer, load_draft_proposer
+from tandem.engine.spec.eagle import EagleProposer, load_eagle
+from tandem.engine.spec.medusa import MedusaProposer, load_medusa
 from tandem.engine.spec.ngram import NgramProposer
 from tandem.engine.spec.proposer import Proposer
 
@@ -20,4 +23,27 @@ def make_proposer(
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
     if not isinstance(runner, ModelRunner):
         raise ValueError(f"speculative method {spec.method!r} needs a real engine, not a sim one")
+    if spec.method == "draft":
+        return load_draft_proposer(spec, runner, kv_cache, settings)
+    if spec.method == "layerskip":
+        assert spec.num_layers is not None  # SpecConfig requires it for method "layerskip"
+        return layerskip_proposer(spec.num_layers, runner, kv_cache)
+    if spec.method in ("medusa", "eagle"):
+        return _heads_proposer(spec, runner, kv_cache, settings)
     raise ValueError(f"speculative method {spec.method!r} is not built yet")
+
+
+def _heads_proposer(
+    spec: SpecConfig, runner: ModelRunner, kv_cache: KVCacheManager, settings: ModelSettings
+) -> Proposer:
+    """Medusa heads or an EAGLE head: both read the target's hidden states."""
+    assert spec.path is not None  # SpecConfig requires it for these methods
+    model, dtype, device = runner.model, settings.torch_dtype, settings.torch_device
+    runner.keep_hidden = True
+    if spec.method == "medusa":
+        heads = load_medusa(spec.path, model, dtype, device)
+        return MedusaProposer(heads, model, runner.eos_token_ids)
+    head = load_eagle(spec.path, model, kv_cache.block_size, dtype, device)
+    return EagleProposer(
+        head, model, kv_cache.num_blocks, kv_cache.block_size, device, runner.eos_token_ids
+    )
