@@ -75,7 +75,9 @@ def tiny_llama_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _prompt_logits(engine: Any, ids: list[int], first: int = 0) -> torch.Tensor:
+def _prompt_logits(
+    engine: Any, ids: list[int], first: int = 0, rows: int | None = None
+) -> torch.Tensor:
     from tandem.engine.attention import SeqSpec
 
     model, device = engine.model, engine.runner.device
@@ -87,12 +89,13 @@ def _prompt_logits(engine: Any, ids: list[int], first: int = 0) -> torch.Tensor:
     with torch.inference_mode():
         positions = torch.arange(len(ids), device=device)
         hidden = model(torch.tensor(ids, device=device), positions, kv_caches, meta)
-        return model.compute_logits(hidden[first:])
+        return torch.cat([model.compute_logits(h) for h in hidden[first:].split(rows or len(ids))])
 
 
 @pytest.fixture(scope="session")
 def prompt_logits() -> Callable[..., torch.Tensor]:
-    """`prompt_logits(engine, ids, first=0)`: the logits `[len(ids) - first, vocab]` (float32) an
-    `EngineCore`'s model gives at positions `first:` of `ids`, in one forward over all of them,
-    as for prompt log-probabilities."""
+    """`prompt_logits(engine, ids, first=0, rows=None)`: the logits `[len(ids) - first, vocab]`
+    (float32) an `EngineCore`'s model gives at positions `first:` of `ids`, in one forward over
+    all of them, as for prompt log-probabilities; `rows` computes them that many rows at a time,
+    as decode steps do (a quantized model's int8 LM head takes only few rows)."""
     return _prompt_logits

@@ -1,9 +1,10 @@
 """Quality of weight-only int8 / int4 on the real SmolLM2-135M-Instruct, against bfloat16.
 
-All three engines run in bfloat16 (activations, the KV cache, and the embeddings and LM head,
-which are not quantized); the baseline holds the GGUF's weights dequantized to bfloat16. The file
-is Q4_1, so int4 with groups of 32 takes its blocks as they are (the same weights, up to the
-scales' bfloat16 rounding) while int8 requantizes each row.
+All three engines run in bfloat16 (activations, the KV cache and the embeddings); the baseline
+holds the GGUF's weights dequantized to bfloat16. The file is Q4_1, so int4 with groups of 32
+takes its blocks as they are (the same weights, up to the scales' bfloat16 rounding) while int8
+requantizes each row. Both quantized engines compute decode logits through an int8 copy of the
+(tied) LM head, so perplexities take the logits a few rows at a time, as decode steps do.
 
 - Perplexity of the reference answers of Spec-Bench dev questions (`../shared/data`), each after
   its chat-templated question: int8 within 1% of bfloat16, int4 within 5%.
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine import LLM, SamplingParams
+from tandem.engine.quant.lm_head import KERNEL_MAX_ROWS
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +68,8 @@ def perplexity(llm: LLM, prompt_logits: Callable[..., torch.Tensor]) -> float:
         prompt = llm.apply_chat_template([{"role": "user", "content": question}])
         target = list(llm.tokenizer(answer, add_special_tokens=False)["input_ids"])
         # Logits at position i predict token i + 1: the answer's come from len(prompt) - 1 on.
-        logits = prompt_logits(llm.engine, prompt + target[:-1], first=len(prompt) - 1)
+        ids, first = prompt + target[:-1], len(prompt) - 1
+        logits = prompt_logits(llm.engine, ids, first, rows=KERNEL_MAX_ROWS)
         nll += float(F.cross_entropy(logits, torch.tensor(target), reduction="sum"))
         count += len(target)
     return math.exp(nll / count)

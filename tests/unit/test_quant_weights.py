@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from tandem.config import EngineConfig
 from tandem.engine import LLM, SamplingParams
@@ -25,6 +25,7 @@ from tandem.engine.quant.int4 import (
     unpack_codes,
 )
 from tandem.engine.quant.int8 import Int8Linear, quantize_int8
+from tandem.engine.quant.lm_head import KERNEL_MAX_ROWS, RESCORED
 from tandem.engine.quant.model import quantize_linear, replace_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -300,6 +301,56 @@ def test_qwen2_bias_survives_quantization(
     qkv = quantized.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, Int8Linear) and qkv.bias is not None
     torch.testing.assert_close(qkv.bias, float_model.layers[0].self_attn.qkv_proj.bias)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_lm_head_gets_an_int8_copy(
+    tmp_path: Path, tiny_llama_kwargs: dict[str, int], tied: bool, method: str
+) -> None:
+    """Logits of steps of up to KERNEL_MAX_ROWS rows come from an int8 copy of the output
+    projection, float32, with the highest RESCORED of each row recomputed from the float weight;
+    larger steps and the embedding lookups keep the float weight."""
+    torch.manual_seed(0)
+    config = LlamaConfig(tie_word_embeddings=tied, **tiny_llama_kwargs)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    float_model = EngineCore(EngineConfig.create(str(tmp_path), num_blocks=8)).model
+    model = EngineCore(EngineConfig.create(str(tmp_path), num_blocks=8, quantization=method)).model
+    assert float_model.quantized_lm_head is None and (model.lm_head is None) == tied
+    head = model.quantized_lm_head
+    assert head is not None and head.int8.use_kernel and head.int8.bias is None
+    assert torch.equal(model.embed_tokens.weight, float_model.embed_tokens.weight)
+    output = float_model.embed_tokens if float_model.lm_head is None else float_model.lm_head
+    weight = output.weight.detach()  # [vocab, hidden]
+    reference = quantize_int8(weight).dequantize()
+    assert relative_error(head.int8.dequantize(), reference) < 2**-8  # scales in bfloat16
+
+    hidden = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        few = model.compute_logits(hidden[:-1])  # [8, vocab]
+        int8_logits = head.int8(hidden[:-1]).float()
+        everything = model.compute_logits(hidden)
+        float_logits = float_model.compute_logits(hidden)
+    assert few.dtype == torch.float32 and few.shape == (KERNEL_MAX_ROWS, 256)
+    exact = hidden[:-1] @ weight.T
+    rescored = int8_logits.topk(RESCORED, dim=-1).indices  # [8, RESCORED]
+    torch.testing.assert_close(few.gather(-1, rescored), exact.gather(-1, rescored))
+    assert torch.equal(few.argmax(-1), exact.argmax(-1))
+    tail = torch.ones_like(few, dtype=torch.bool).scatter_(-1, rescored, False)
+    assert torch.equal(few[tail], int8_logits[tail])
+    want = F.linear(hidden[:-1].to(torch.bfloat16).float(), reference)
+    assert relative_error(int8_logits, want) < 2**-7  # bfloat16 activations, output and scales
+    assert torch.equal(everything, float_logits)
+
+
+def test_lm_head_rows_do_not_depend_on_the_step(tiny_llama_path: Path) -> None:
+    """A row's logits are the same alone or among others (speculative verification)."""
+    model = EngineCore(EngineConfig.create(str(tiny_llama_path), quantization="int8")).model
+    hidden = torch.randn(KERNEL_MAX_ROWS, 64, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        together = model.compute_logits(hidden)
+        alone = torch.cat([model.compute_logits(row[None]) for row in hidden])
+    assert torch.equal(together, alone)
 
 
 # --- configuration ------------------------------------------------------------------------

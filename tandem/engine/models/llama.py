@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.linear import Linear, linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:  # quant/model.py imports this module
+    from tandem.engine.quant.lm_head import QuantizedLMHead
 
 
 class RMSNorm(nn.Module):
@@ -148,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device
             )
+        # An int8 copy of the output projection (set by quant/model.py) for the logits of steps
+        # of few rows; the float weight stays for embedding lookups and larger steps.
+        self.quantized_lm_head: QuantizedLMHead | None = None
 
     def forward(
         self,
@@ -174,6 +181,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.quantized_lm_head
+        if head is not None and hidden.shape[0] <= head.max_rows:
+            return head(hidden, weight)
         return linear(hidden, weight).float()
 
     @torch.no_grad()

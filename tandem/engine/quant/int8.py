@@ -4,9 +4,9 @@ Kernel: `torch.ops.aten._weight_int8pack_mm(x, q, scales)` = `(x @ q.T) * scales
 int8 `[out, in]` matrix as stored (no repacking) and `x` and `scales` in the same floating dtype
 (float32, bfloat16 or float16; the output comes in that dtype), here bfloat16 (`probe.py`). It
 reads 1 byte per weight, but it does not batch rows: its time grows linearly with the number of
-tokens, so past `KERNEL_MAX_TOKENS` (a long prefill) the layer dequantizes and runs one dense
-matmul instead. Fallback, also used where the kernel is unavailable: dequantize to the activation
-dtype, then `F.linear`.
+tokens, so past the layer's `max_kernel_tokens` (`KERNEL_MAX_TOKENS`: a long prefill) it
+dequantizes and runs one dense matmul instead. Fallback, also used where the kernel is
+unavailable: dequantize to the activation dtype, then `F.linear`.
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ class Int8Linear(nn.Module):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
+        max_kernel_tokens: int = KERNEL_MAX_TOKENS,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.qweight.shape
+        self.max_kernel_tokens = max_kernel_tokens  # more tokens dequantize (or go elsewhere)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
         self.bias: torch.Tensor | None
@@ -83,7 +85,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
-        if self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:
+        if self.use_kernel and x2.shape[0] <= self.max_kernel_tokens:
             xk = x2.to(KERNEL_DTYPE)
             y = torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales).to(x.dtype)
         else:

@@ -1,10 +1,12 @@
-"""Quantize a loaded model: the decoder layers' linear layers become `Int8Linear` / `Int4Linear`.
+"""Quantize a loaded model: the decoder layers' linear layers become `Int8Linear` / `Int4Linear`,
+and the LM head gains an int8 copy.
 
 Every `nn.Linear` inside `model.layers` (qkv_proj, o_proj, gate_up_proj, down_proj) is quantized
 from its float weight; weights that map exactly from the checkpoint (GGUF Q4_0 / Q4_1 blocks for
 int4 with groups of 32, `gguf_blocks.py`) then overwrite the rows they cover, which is per
-projection: a fused qkv_proj can take q and k from blocks and v from the float weight. The
-embeddings and the LM head (tied to them in SmolLM2) are not quantized.
+projection: a fused qkv_proj can take q and k from blocks and v from the float weight.
+
+The LM head gets an int8 copy for the logits of few-row steps (`lm_head.py`), whatever the method.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tandem.engine.models.loader import iter_gguf_blocks
 from tandem.engine.quant.gguf_blocks import direct_types, map_blocks
 from tandem.engine.quant.int4 import Int4Linear, Int4Weight, layer_group_size, quantize_int4
 from tandem.engine.quant.int8 import Int8Linear, Int8Weight, quantize_int8
+from tandem.engine.quant.lm_head import quantize_lm_head
 
 QuantWeight = Int4Weight | Int8Weight
 
@@ -38,7 +41,8 @@ def quantize_model(
     group_size: int = 32,
     direct: Mapping[str, QuantWeight] | None = None,
 ) -> None:
-    """Swap the linear layers of `model.layers` for quantized ones, in place.
+    """Swap the linear layers of `model.layers` for quantized ones and give the LM head an int8
+    copy, in place.
 
     `group_size` (int4) is halved for a layer whose input size it does not divide. `direct` maps
     HF parameter names (as the loader yields them) to weights that replace the quantized rows of
@@ -59,6 +63,8 @@ def quantize_model(
                 setattr(parent, child_name, quantized)
     if parts:
         raise ValueError(f"direct weights for layers that are not quantized: {sorted(parts)[:4]}")
+    output = model.embed_tokens if model.lm_head is None else model.lm_head
+    model.quantized_lm_head = quantize_lm_head(output.weight)
 
 
 def quantize_linear(
