@@ -179,7 +179,8 @@ def draft_kv_bytes_per_block(spec: SpecConfig, block_size: int, kv_dtype: torch.
 def load_draft_proposer(
     spec: SpecConfig, runner: ModelRunner, kv_cache: KVCacheManager, settings: ModelSettings
 ) -> DraftModelProposer:
-    """The draft model of `spec.draft_model`, refused unless it shares the target's tokenizer."""
+    """The draft model of `spec.draft_model`, its weights quantized as the target's (if they
+    are), refused unless it shares the target's tokenizer."""
     path = _draft_path(spec)
     target = runner.model.cfg
     draft_cfg = load_config(path)
@@ -194,7 +195,15 @@ def load_draft_proposer(
             f"{settings.model!r}: a draft must share the target's tokenizer"
         )
     block_size, device = kv_cache.block_size, settings.torch_device
-    model = load_model(path, TorchSDPABackend, block_size, settings.torch_dtype, device)
+    model = load_model(
+        path,
+        TorchSDPABackend,
+        block_size,
+        settings.torch_dtype,
+        device,
+        settings.quantization,
+        settings.quant_group_size,
+    )
     kv_dtype = runner.kv_caches[0].dtype  # the engine's KV format, quantized or not
     # [2, num_blocks, block_size, num_kv_heads, slot_dim] per draft layer, as the target's
     shape = (
