@@ -97,6 +97,9 @@ class _NoInputNorm(nn.Module):
 
 
 class EagleHead(nn.Module):
+    """fc(cat(embed, hidden)) -> decoder layer(s) -> features; embed and LM head are the
+    target's."""
+
     def __init__(
         self,
         cfg: ModelConfig,
