@@ -59,7 +59,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from rich import box
@@ -205,7 +205,7 @@ class EngineSide:
 
     def decode_b1(self, ids: list[int], new_tokens: int) -> tuple[float, list[int]]:
         """(TPOT in seconds, output token ids) of one batch-1 greedy request."""
-        (out,) = self.llm.generate([ids], _engine_params(new_tokens))
+        (out,) = self.llm.generate([ids], greedy_params(new_tokens))
         m = out.metrics
         if m is None or m.tpot is None or len(out.token_ids) != new_tokens:
             raise BenchError(f"engine produced {len(out.token_ids)} tokens, not {new_tokens}")
@@ -213,7 +213,7 @@ class EngineSide:
 
     def generate_batch(self, batch: list[list[int]], new_tokens: int) -> float:
         """Wall seconds of one `generate` over the whole batch."""
-        params = _engine_params(new_tokens)
+        params = greedy_params(new_tokens)
         t0 = time.perf_counter()
         outs = self.llm.generate(batch, params)
         wall = time.perf_counter() - t0
@@ -225,7 +225,8 @@ class EngineSide:
         return wall
 
 
-def _engine_params(new_tokens: int) -> Any:
+def greedy_params(new_tokens: int) -> Any:
+    """Greedy decoding of exactly `new_tokens` tokens (EOS ignored)."""
     from tandem.engine import SamplingParams
 
     return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -391,10 +392,21 @@ def _fuse(*parts: nn.Linear) -> nn.Linear:
     return fused
 
 
-def kernel_steps_per_s(layers: Sequence[nn.Linear], steps: int) -> float:
-    """Batch-1 steps per second of `layers` alone, run back to back."""
-    dtype = layers[0].weight.dtype
-    inputs = {f: torch.randn(1, f, dtype=dtype) for f in {layer.in_features for layer in layers}}
+class LinearLayer(Protocol):
+    """What the kernel floor runs: `nn.Linear`, the quantized layers, an LM head."""
+
+    @property
+    def in_features(self) -> int: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def kernel_steps_per_s(
+    layers: Sequence[LinearLayer], steps: int, dtype: torch.dtype, device: torch.device
+) -> float:
+    """Batch-1 steps per second of `layers` alone, run back to back, on inputs in `dtype`."""
+    features = {layer.in_features for layer in layers}
+    inputs = {f: torch.randn(1, f, dtype=dtype, device=device) for f in features}
     pairs = [(layer, inputs[layer.in_features]) for layer in layers]  # x: [1, in_features]
     with torch.inference_mode():
         for _ in range(_KERNEL_WARMUP_STEPS):
@@ -453,7 +465,7 @@ def run_engine_bench(
         "results": {},
     }
     per_dtype_units = 2 + config.rounds * (2 * config.prompts_per_round + 5)
-    with _quiet_transformers(), progress_bar(console) as progress:
+    with quiet_transformers(), progress_bar(console) as progress:
         task = progress.add_task("loading weights", total=per_dtype_units * len(config.dtypes))
         state = dict(iter_weights(model_path))
         for dtype in config.dtypes:
@@ -466,7 +478,7 @@ def run_engine_bench(
         del state
     report["machine"]["torch_threads"] = torch.get_num_threads()
     report["targets"] = check_targets(config, report["results"])
-    console.print(_targets_table(report["targets"]))
+    console.print(targets_table(report["targets"]))
     if json_out is not None:
         path = Path(json_out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -496,6 +508,7 @@ def _bench_dtype(
     separate = linear_layers(reference.model, fused=False)
     fused = linear_layers(reference.model, fused=True)
     nbytes = weight_bytes(reference.model)
+    on = (DTYPES[dtype], reference.model.device)  # the kernel floor's inputs
     progress.advance(task)
 
     if config.warmup:
@@ -554,8 +567,8 @@ def _bench_dtype(
             {
                 "round": r,
                 "steps": config.kernel_steps,
-                "separate_steps_s": kernel_steps_per_s(separate, config.kernel_steps),
-                "fused_steps_s": kernel_steps_per_s(fused, config.kernel_steps),
+                "separate_steps_s": kernel_steps_per_s(separate, config.kernel_steps, *on),
+                "fused_steps_s": kernel_steps_per_s(fused, config.kernel_steps, *on),
             }
         )
         progress.advance(task, 2)
@@ -634,7 +647,7 @@ def check_targets(config: BenchConfig, results: dict[str, Any]) -> list[dict[str
     targets = []
     for dtype, res in results.items():
         targets.append(
-            _target(
+            target_result(
                 f"{dtype} batch 1: engine / kernel floor",
                 res["fractions"]["engine_b1_of_kernel_floor"],
                 TARGET_B1_OF_KERNEL_FLOOR,
@@ -643,14 +656,14 @@ def check_targets(config: BenchConfig, results: dict[str, Any]) -> list[dict[str
     if "bfloat16" in results:
         ratios = results["bfloat16"]["ratios"]
         targets.append(
-            _target(
+            target_result(
                 "bfloat16 batch 1: engine / transformers",
                 ratios["b1_engine_vs_hf"],
                 TARGET_B1_BF16_VS_HF,
             )
         )
         targets.append(
-            _target(
+            target_result(
                 f"bfloat16 batch {config.batch}: engine / transformers",
                 ratios["batch_engine_vs_hf"],
                 TARGET_BATCH_BF16_VS_HF,
@@ -659,7 +672,8 @@ def check_targets(config: BenchConfig, results: dict[str, Any]) -> list[dict[str
     return targets
 
 
-def _target(name: str, value: float, at_least: float) -> dict[str, Any]:
+def target_result(name: str, value: float, at_least: float) -> dict[str, Any]:
+    """One target check as the reports hold it: name, measured value, threshold, pass."""
     return {"name": name, "value": value, "at_least": at_least, "pass": value >= at_least}
 
 
@@ -729,7 +743,8 @@ def _git_state() -> tuple[str | None, bool | None]:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings silenced for the duration."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
@@ -740,7 +755,7 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def _fmt(s: dict[str, float]) -> str:
+def fmt_stats(s: dict[str, float]) -> str:
     """median (min-max); whole numbers from 100 up, to keep the tables within 80 columns."""
     d = 0 if s["median"] >= 100 else 1
     return f"{s['median']:.{d}f} [dim]({s['min']:.{d}f}-{s['max']:.{d}f})[/dim]"
@@ -761,14 +776,14 @@ def _dtype_table(config: BenchConfig, dtype: str, res: dict[str, Any]) -> Table:
     table.add_column("engine / HF", justify="right", no_wrap=True)
     table.add_row(
         "batch 1 decode tok/s",
-        _fmt(s["engine_b1_tok_s"]),
-        _fmt(s["hf_b1_tok_s"]),
+        fmt_stats(s["engine_b1_tok_s"]),
+        fmt_stats(s["hf_b1_tok_s"]),
         f"{ratios['b1_engine_vs_hf']:.2f}x",
     )
     table.add_row(
         f"batch {config.batch} output tok/s",
-        _fmt(s["engine_batch_tok_s"]),
-        _fmt(s["hf_batch_tok_s"]),
+        fmt_stats(s["engine_batch_tok_s"]),
+        fmt_stats(s["hf_batch_tok_s"]),
         f"{ratios['batch_engine_vs_hf']:.2f}x",
     )
     table.add_section()
@@ -780,13 +795,13 @@ def _dtype_table(config: BenchConfig, dtype: str, res: dict[str, Any]) -> Table:
         ("kernel floor, fused", "kernel_floor_fused_steps_s", "engine_b1_of_kernel_floor_fused"),
         ("bandwidth limit", "bandwidth_limit_steps_s", "engine_b1_of_bandwidth_limit"),
     ):
-        table.add_row(label, _fmt(s[key]), "", f"{frac[fraction]:.0%}")
-    table.add_row("  read bandwidth GB/s", _fmt(s["read_bandwidth_gb_s"]), "", "")
+        table.add_row(label, fmt_stats(s[key]), "", f"{frac[fraction]:.0%}")
+    table.add_row("  read bandwidth GB/s", fmt_stats(s["read_bandwidth_gb_s"]), "", "")
     table.add_row("  weight GB", f"{res['weight_bytes'] / 1e9:.3f}", "", "")
     return table
 
 
-def _targets_table(targets: list[dict[str, Any]]) -> Table:
+def targets_table(targets: list[dict[str, Any]]) -> Table:
     table = Table(title="targets (BENCHMARKS.md)", title_justify="left", box=box.SIMPLE_HEAD)
     table.add_column("target")
     table.add_column("measured", justify="right")

@@ -54,11 +54,11 @@ from rich.console import Console
 from tandem.bench.common import progress_bar, write_report
 from tandem.bench.engine import (
     BenchError,
-    _quiet_transformers,
-    _target,
     build_reference,
     machine_info,
+    quiet_transformers,
     stats,
+    target_result,
 )
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL, DTYPES, SpecConfig
@@ -387,12 +387,12 @@ def run_spec_bench(
     built = [m for m in methods if m.label not in skipped]
     references: list[ReferenceSide] = []
     if config.references and 1 in config.batch_sizes:
-        with _quiet_transformers():
+        with quiet_transformers():
             references = reference_sides(config, built, console)
 
     plan = list(_plan(config, prompts))
     samples: list[dict[str, Any]] = []
-    with _quiet_transformers(), progress_bar(console) as progress:
+    with quiet_transformers(), progress_bar(console) as progress:
         units = sum(len(engines) + (len(references) if b == 1 else 0) for _, b, _, _ in plan)
         task = progress.add_task("warm-up", total=units)
         if config.warmup:
@@ -611,11 +611,13 @@ def check_targets(
             name = f"{m.label}, batch 1, input-grounded"
             if grounded["vs_no_spec"] is not None:
                 targets.append(
-                    _target(f"{name}: / no spec", grounded["vs_no_spec"], TARGET_NGRAM_B1_GROUNDED)
+                    target_result(
+                        f"{name}: / no spec", grounded["vs_no_spec"], TARGET_NGRAM_B1_GROUNDED
+                    )
                 )
             if grounded["vs_hf_lookup"] is not None:
                 targets.append(
-                    _target(
+                    target_result(
                         f"{name}: / transformers prompt lookup",
                         grounded["vs_hf_lookup"],
                         TARGET_NGRAM_B1_GROUNDED,
@@ -624,7 +626,7 @@ def check_targets(
         large = by_key.get((ALL, LARGE_BATCH, m.label))
         if large is not None and large["vs_no_spec"] is not None:
             targets.append(
-                _target(
+                target_result(
                     f"{m.label}, batch {LARGE_BATCH}, all prompts: / no spec",
                     large["vs_no_spec"],
                     TARGET_LARGE_BATCH,
@@ -639,7 +641,7 @@ def check_targets(
     ]
     if chat:
         best = max(chat, key=lambda r: r["vs_no_spec"])
-        target = _target(
+        target = target_result(
             f"best model-based ({best['side']}), batch 1, chat: / no spec, same output",
             best["vs_no_spec"],
             TARGET_MODEL_B1_CHAT,

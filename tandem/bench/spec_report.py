@@ -10,7 +10,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tandem.bench.engine import _targets_table
+from tandem.bench.engine import targets_table
 from tandem.bench.spec import (
     ALL,
     GROUPS,
@@ -34,7 +34,7 @@ def print_report(report: dict[str, Any], console: Console) -> None:
         console.print(_category_table(label, [r for r in rows if r["side"] == label], config))
     if any(r["side"] == HF_GREEDY for r in rows):
         console.print(_reference_table(rows))
-    console.print(_targets_table(report["targets"]))
+    console.print(targets_table(report["targets"]))
 
 
 def _spec_labels(rows: Sequence[dict[str, Any]]) -> list[str]:
