@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tandem.bench.experiment_cli import bench_experiment
+from tandem.bench.quant_cli import bench_quant
 from tandem.bench.serve_cli import bench_serve, bench_sla
 from tandem.bench.sim_cli import register_sim_commands
 from tandem.bench.spec_cli import bench_spec
@@ -602,6 +603,7 @@ bench_app.command("sla")(bench_sla)
 register_sim_commands(bench_app)  # calibrate, router, sim-cluster: tandem/bench/sim_cli.py
 bench_app.command("experiment")(bench_experiment)  # tandem/bench/experiment_cli.py
 bench_app.command("spec")(bench_spec)  # tandem/bench/spec_cli.py
+bench_app.command("quant")(bench_quant)  # tandem/bench/quant_cli.py
 
 
 if __name__ == "__main__":

@@ -1,0 +1,579 @@
+"""`tandem bench quant`: weight formats x speculation x batch size in one run, against llama.cpp.
+
+Method
+------
+Engines: one Tandem `LLM` per (format, speculation), all in bfloat16 and loaded before the first
+measurement: format `bf16` (dense), `int8` or `int4` (groups of `group_size`; the linear layers
+quantized, the LM head with its int8 copy), speculation `off` or `ngram` (k =
+`num_speculative_tokens`). Same model, device, threads and KV block size; prefix caching off (the
+same prompts come back every round).
+
+Prompts: the input-grounded Spec-Bench dev categories (summarization, rag: long prompts whose
+answers quote them, so n-gram drafts find matches), first turns, chat-templated, in a seeded
+shuffle. At batch 1 the first `prompts` of them one at a time; at batch B > 1 one batch of the
+first B (cycling).
+
+A run is greedy with exactly `new_tokens` output tokens (EOS ignored). The engine is stepped
+directly: decode tok/s = the output tokens produced after every request of the run has its first
+token, over the time from that moment to the last token (prefill excluded; at batch 1 it is
+1 / TPOT); output tok/s = all output tokens over the wall time of the run (prefill included).
+Each n-gram run's tokens are compared with the same format's run without speculation.
+
+llama.cpp (`llama-cpp-python`, the `bench-ref` extra): `Llama` on the same GGUF with `n_threads`
+= `threads`, the same prompt token ids, greedy (`temp=0`), `new_tokens` tokens drawn from its
+`generate` iterator and each stamped: decode tok/s = (n - 1) / (last - first stamp), at batch 1
+only (a single stream). Skipped, saying how to install it, when `llama_cpp` does not import.
+
+Kernel floor per format: the engine's own linear layers (qkv, o, gate_up, down per decoder
+layer, then the LM head over the whole vocabulary as `compute_logits` runs it: the float table
+for bf16, the int8 copy for int8 / int4) alone at batch 1, back to back (`tandem bench engine`'s
+`kernel_steps_per_s`), in steps/s.
+
+Order: in each of `rounds` rounds, every batch-1 prompt runs on every side in turn (the engines,
+then llama.cpp), then every batch of B on every engine, then the kernel floors. Figures are
+medians of their samples with min-max; ratios are ratios of medians.
+
+Targets (issue 8), without speculation: int8 batch 1 >= 1.6x bf16; int4 batch 1 >= 0.75x
+llama.cpp; int4 at the largest batch >= 4x llama.cpp's single stream (decode tok/s); and KV
+transfer bytes of an int8 cache <= 0.55x bf16 (`kv_quant.kv_bytes_per_token`, scales included).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from rich.console import Console
+
+from tandem.bench.common import progress_bar, write_report
+from tandem.bench.engine import (
+    BenchError,
+    LinearLayer,
+    greedy_params,
+    kernel_steps_per_s,
+    machine_info,
+    stats,
+    target_result,
+)
+from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
+from tandem.config import DEFAULT_MODEL, QUANT_GROUP_SIZES, QUANT_METHODS
+from tandem.engine.kv_quant import kv_bytes_per_token
+from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
+
+BF16 = "bf16"
+FORMATS = (BF16, *QUANT_METHODS)
+SPEC_OFF, NGRAM = "off", "ngram"
+SPECS = (SPEC_OFF, NGRAM)
+LLAMA_CPP = "llama.cpp"
+INSTALL_HINT = "pip install -e '.[bench-ref]' (compiles llama.cpp, ~5 minutes)"
+
+# Targets from issue 8 (thresholds, not measurements).
+TARGET_INT8_VS_BF16 = 1.6
+TARGET_INT4_VS_LLAMA_CPP = 0.75
+TARGET_INT4_BATCH_VS_LLAMA_CPP = 4.0
+TARGET_KV_INT8_OF_BF16 = 0.55  # at most
+
+KV_DTYPES = {BF16: torch.bfloat16, "int8": torch.int8}  # the KV caches whose bytes are compared
+
+_WARMUP_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class QuantBenchConfig:
+    model: str = DEFAULT_MODEL
+    formats: tuple[str, ...] = FORMATS
+    group_size: int = 32  # int4
+    num_speculative_tokens: int = 5
+    batch_sizes: tuple[int, ...] = (1, 16)
+    prompts: int = 3  # batch-1 prompts per round, one at a time
+    new_tokens: int = 128
+    rounds: int = 3
+    threads: int = 2
+    device: str = "cpu"
+    block_size: int = 16
+    kernel_steps: int = 30  # batch-1 steps of the linear layers per kernel-floor sample
+    llama_cpp: bool = True
+    seed: int = 0
+    warmup: bool = True  # one short unmeasured run of every side first
+    categories: tuple[str, ...] = ("summarization", "rag")
+    prompts_path: str = str(SPECBENCH_PATH)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.formats) - set(FORMATS)
+        if unknown or not self.formats:
+            raise ValueError(f"formats must be among {list(FORMATS)}, got {list(self.formats)}")
+        if self.group_size not in QUANT_GROUP_SIZES:
+            raise ValueError(
+                f"group_size must be one of {list(QUANT_GROUP_SIZES)}, got {self.group_size}"
+            )
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.new_tokens < 2:
+            raise ValueError(f"new_tokens must be >= 2 (decode needs two), got {self.new_tokens}")
+        for name in ("num_speculative_tokens", "prompts", "rounds", "threads", "kernel_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if set(self.categories) - set(SPECBENCH_CATEGORIES) or not self.categories:
+            raise ValueError(f"categories must be among {list(SPECBENCH_CATEGORIES)}")
+
+    def quick(self) -> QuantBenchConfig:
+        """A check that the whole pipeline works, not a measurement."""
+        return replace(
+            self,
+            batch_sizes=(1, 2),
+            prompts=1,
+            new_tokens=min(self.new_tokens, 8),
+            rounds=1,
+            kernel_steps=3,
+            warmup=False,
+        )
+
+
+@dataclass
+class Run:
+    wall_s: float
+    decode_s: float  # from every request's first token to the last token
+    decode_tokens: int  # output tokens produced in that time
+    token_ids: list[list[int]]
+    spec: dict[str, int] = field(default_factory=dict)  # drafts, draft_tokens, accepted
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(t) for t in self.token_ids)
+
+
+# --- prompts ------------------------------------------------------------------------------
+
+
+def load_prompts(config: QuantBenchConfig, tokenizer: Any) -> list[tuple[int, list[int]]]:
+    """(question id, chat-templated token ids) of the configured categories, seeded shuffle."""
+    path = Path(config.prompts_path)
+    if not path.is_file():
+        raise BenchError(f"Spec-Bench prompts not found: {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = sorted(
+        (r for r in rows if r["category"] in config.categories),
+        key=lambda r: int(r["question_id"]),
+    )
+    if not rows:
+        raise BenchError(f"no prompts of {list(config.categories)} in {path}")
+    random.Random(config.seed).shuffle(rows)
+    prompts = []
+    for row in rows:
+        messages = [{"role": "user", "content": row["turns"][0]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        prompts.append((int(row["question_id"]), ids))
+    return prompts
+
+
+def batches_of(
+    prompts: Sequence[tuple[int, list[int]]], batch_size: int, num_b1: int
+) -> list[list[tuple[int, list[int]]]]:
+    """At batch 1 the first `num_b1` prompts, one each; else one batch of the first B (cycling)."""
+    if batch_size == 1:
+        return [[prompts[i % len(prompts)]] for i in range(num_b1)]
+    return [[prompts[i % len(prompts)] for i in range(batch_size)]]
+
+
+def kv_blocks(config: QuantBenchConfig, prompts: Sequence[tuple[int, list[int]]]) -> int:
+    """KV blocks of the largest batch: prompt, output and drafts of every request, 10% spare."""
+    most = 0
+    for b in config.batch_sizes:
+        for batch in batches_of(prompts, b, config.prompts):
+            tokens = [
+                len(ids) + config.new_tokens + config.num_speculative_tokens + 1 for _, ids in batch
+            ]
+            most = max(most, sum(math.ceil(t / config.block_size) for t in tokens))
+    return math.ceil(most * 1.1) + 1
+
+
+# --- the sides ----------------------------------------------------------------------------
+
+
+class EngineSide:
+    """A bfloat16 Tandem `LLM` in one weight format, with n-gram speculation or without."""
+
+    def __init__(self, config: QuantBenchConfig, fmt: str, spec: str, num_blocks: int) -> None:
+        from tandem.engine import LLM
+
+        self.fmt, self.spec = fmt, spec
+        self.label = f"{fmt}, {spec}"
+        self.llm = LLM(
+            config.model,
+            dtype="bfloat16",
+            device=config.device,
+            num_threads=config.threads,
+            block_size=config.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=False,
+            max_num_seqs=max(config.batch_sizes),
+            quantization=None if fmt == BF16 else fmt,
+            quant_group_size=config.group_size,
+            speculative=None
+            if spec == SPEC_OFF
+            else {"method": NGRAM, "num_speculative_tokens": config.num_speculative_tokens},
+        )
+        self._request_ids = itertools.count()
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return cast(LlamaForCausalLM, self.llm.engine.model)
+
+    def run(self, batch: list[list[int]], new_tokens: int) -> Run:
+        engine = self.llm.engine
+        params = greedy_params(new_tokens)
+        t0 = time.perf_counter()
+        reqs = [engine.add_request(f"q{next(self._request_ids)}", ids, params) for ids in batch]
+        decode_from, tokens_before = None, 0
+        while engine.has_unfinished():
+            engine.step()
+            if decode_from is None and all(r.output_token_ids for r in reqs):
+                decode_from = time.perf_counter()
+                tokens_before = sum(len(r.output_token_ids) for r in reqs)
+        end = time.perf_counter()
+        token_ids = [list(r.output_token_ids) for r in reqs]
+        if decode_from is None or {len(t) for t in token_ids} != {new_tokens}:
+            raise BenchError(f"{self.label} produced {[len(t) for t in token_ids]} tokens")
+        spec = {
+            "drafts": sum(r.metrics.num_drafts for r in reqs),
+            "draft_tokens": sum(r.metrics.num_draft_tokens for r in reqs),
+            "accepted": sum(r.metrics.num_accepted_tokens for r in reqs),
+        }
+        decode_tokens = len(batch) * new_tokens - tokens_before
+        return Run(end - t0, end - decode_from, decode_tokens, token_ids, spec)
+
+
+class LlamaCppSide:
+    """llama.cpp on the same GGUF, one stream."""
+
+    label = LLAMA_CPP
+    fmt = spec = LLAMA_CPP
+
+    def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=str(gguf),
+            n_threads=threads,
+            n_threads_batch=threads,
+            n_ctx=n_ctx,
+            verbose=False,
+        )
+
+    def run(self, batch: list[list[int]], new_tokens: int) -> Run:
+        (ids,) = batch
+        self.llm.reset()  # no prefix reuse from the previous run
+        stamps: list[float] = []
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        for token in self.llm.generate(ids, temp=0.0):  # greedy, EOS not checked
+            stamps.append(time.perf_counter())
+            tokens.append(int(token))
+            if len(tokens) == new_tokens:
+                break
+        return Run(stamps[-1] - t0, stamps[-1] - stamps[0], new_tokens - 1, [tokens])
+
+
+def llama_cpp_side(
+    config: QuantBenchConfig, model_path: Path, n_ctx: int
+) -> tuple[LlamaCppSide | None, str | None]:
+    """(the side, None) or (None, why it is skipped)."""
+    if not config.llama_cpp:
+        return None, "turned off (--no-llama-cpp)"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None, f"llama_cpp is not installed: {INSTALL_HINT}"
+    if model_path.suffix != ".gguf":
+        return None, f"{model_path} is not a GGUF file"
+    return LlamaCppSide(model_path, config.threads, n_ctx), None
+
+
+# --- kernel floor -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogitsLayer:
+    """The LM head over the whole vocabulary, as a decode step computes it."""
+
+    model: LlamaForCausalLM
+
+    @property
+    def in_features(self) -> int:
+        return self.model.cfg.hidden_size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [1, hidden] -> [1, vocab]
+        return self.model.compute_logits(x)
+
+
+def engine_linear_layers(model: LlamaForCausalLM) -> list[LinearLayer]:
+    """The linear layers a batch-1 decode step of the engine runs, in order, then its LM head."""
+    layers: list[LinearLayer] = []
+    for layer in cast("list[DecoderLayer]", list(model.layers)):
+        attn, mlp = layer.self_attn, layer.mlp
+        layers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    layers.append(LogitsLayer(model))
+    return layers
+
+
+# --- the run ------------------------------------------------------------------------------
+
+
+def run_quant_bench(
+    config: QuantBenchConfig,
+    json_out: str | Path | None = None,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Run the matrix, print the tables and target checks, return (and write) the report."""
+    from tandem import hub
+    from tandem.bench.quant_report import print_report, write_chart
+    from tandem.engine.models.loader import load_config, load_tokenizer
+
+    console = console or Console()
+    torch.set_num_threads(config.threads)
+    model_path = hub.resolve(config.model)
+    prompts = load_prompts(config, load_tokenizer(model_path))
+    num_blocks = kv_blocks(config, prompts)
+    engines: list[EngineSide] = []
+    with progress_bar(console) as progress:
+        task = progress.add_task("loading engines", total=len(config.formats) * len(SPECS))
+        for fmt, spec in itertools.product(config.formats, SPECS):
+            progress.update(task, description=f"loading {fmt}, {spec}")
+            engines.append(EngineSide(config, fmt, spec, num_blocks))
+            progress.advance(task)
+    n_ctx = max(len(ids) for _, ids in prompts) + config.new_tokens + 16
+    llama, skipped = llama_cpp_side(config, model_path, n_ctx)
+    if skipped is not None:
+        console.print(f"[yellow]llama.cpp skipped:[/yellow] {skipped}")
+
+    plain = {e.fmt: e for e in engines if e.spec == SPEC_OFF}
+    samples: list[dict[str, Any]] = []
+    kernel: list[dict[str, Any]] = []
+    batches = {b: batches_of(prompts, b, config.prompts) for b in config.batch_sizes}
+    runs = sum(len(bs) * len(_sides(engines, llama, b)) for b, bs in batches.items())
+    with progress_bar(console) as progress:
+        task = progress.add_task("warm-up", total=config.rounds * (runs + len(plain)))
+        if config.warmup:
+            for side in _sides(engines, llama, 1):
+                side.run([prompts[0][1]], _WARMUP_TOKENS)
+        for round_ in range(config.rounds):
+            for batch_size, size_batches in batches.items():
+                for index, batch in enumerate(size_batches):
+                    base: dict[str, Run] = {}
+                    for side in _sides(engines, llama, batch_size):
+                        progress.update(
+                            task,
+                            description=f"round {round_ + 1}: batch {batch_size}, {side.label}",
+                        )
+                        run = side.run([ids for _, ids in batch], config.new_tokens)
+                        if side.spec == SPEC_OFF:
+                            base[side.fmt] = run
+                        samples.append(_sample(round_, batch_size, index, side, batch, run, base))
+                        progress.advance(task)
+            kernel += _kernel_floors(config, plain, round_, progress, task)
+
+    cfg = load_config(model_path)
+    kv = {name: kv_bytes_per_token(cfg, dtype) for name, dtype in KV_DTYPES.items()}
+    summary = summarize(samples, config)
+    floors = summarize_kernel(kernel, summary)
+    report: dict[str, Any] = {
+        "benchmark": "quant",
+        "config": asdict(config),
+        "method": __doc__,
+        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+        "model_path": str(model_path),
+        "kv_blocks": num_blocks,
+        "skipped": {LLAMA_CPP: skipped} if skipped else {},
+        "prompts": [{"question_id": q, "n_tokens": len(ids)} for q, ids in prompts],
+        "samples": samples,
+        "summary": summary,
+        "kernel_floor": floors,
+        "kernel_samples": kernel,
+        "kv_bytes_per_token": kv,
+        "targets": check_targets(summary, kv, config),
+    }
+    print_report(report, console)
+    if json_out is not None:
+        write_report(report, json_out, write_chart, console)
+    return report
+
+
+def _sides(
+    engines: Sequence[EngineSide], llama: LlamaCppSide | None, batch_size: int
+) -> list[EngineSide | LlamaCppSide]:
+    """The engines, then llama.cpp at batch 1."""
+    return [*engines, *([llama] if llama is not None and batch_size == 1 else [])]
+
+
+def _kernel_floors(
+    config: QuantBenchConfig,
+    plain: dict[str, EngineSide],
+    round_: int,
+    progress: Any,
+    task: Any,
+) -> list[dict[str, Any]]:
+    out = []
+    for fmt, side in plain.items():
+        progress.update(task, description=f"round {round_ + 1}: kernel floor, {fmt}")
+        device = torch.device(config.device)
+        layers = engine_linear_layers(side.model)
+        steps_s = kernel_steps_per_s(layers, config.kernel_steps, torch.bfloat16, device)
+        out.append({"round": round_, "format": fmt, "steps_s": steps_s})
+        progress.advance(task)
+    return out
+
+
+def _sample(
+    round_: int,
+    batch_size: int,
+    index: int,
+    side: EngineSide | LlamaCppSide,
+    batch: list[tuple[int, list[int]]],
+    run: Run,
+    base: dict[str, Run],
+) -> dict[str, Any]:
+    """One run as JSON; `base`: this batch's runs without speculation so far, by format."""
+    sample: dict[str, Any] = {
+        "round": round_,
+        "batch_size": batch_size,
+        "batch": index,
+        "side": side.label,
+        "format": side.fmt,
+        "spec": side.spec,
+        "question_ids": [q for q, _ in batch],
+        "n_prompt": [len(ids) for _, ids in batch],
+        "output_tokens": run.output_tokens,
+        "wall_s": run.wall_s,
+        "output_tok_s": run.output_tokens / run.wall_s,
+        "decode_s": run.decode_s,
+        "decode_tokens": run.decode_tokens,
+        "decode_tok_s": run.decode_tokens / run.decode_s,
+        "spec_counters": run.spec,
+    }
+    if side.spec == NGRAM and side.fmt in base:
+        sample["same_as_off"] = [
+            a == b for a, b in zip(run.token_ids, base[side.fmt].token_ids, strict=True)
+        ]
+    if side.fmt == LLAMA_CPP and "int4" in base:
+        sample["agree_tokens_int4"] = _common_prefix(run.token_ids[0], base["int4"].token_ids[0])
+    return sample
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+# --- summaries and targets ----------------------------------------------------------------
+
+
+def summarize(samples: Sequence[dict[str, Any]], config: QuantBenchConfig) -> list[dict[str, Any]]:
+    """One row per (side, batch size): decode and output tok/s, ratios, acceptance, same output."""
+    groups: dict[tuple[str, str, int], list[dict[str, Any]]] = {}
+    for s in samples:
+        groups.setdefault((s["format"], s["spec"], s["batch_size"]), []).append(s)
+    medians = {key: stats([s["decode_tok_s"] for s in ss])["median"] for key, ss in groups.items()}
+    llama = medians.get((LLAMA_CPP, LLAMA_CPP, 1))
+    rows = []
+    for (fmt, spec, b), ss in groups.items():
+        decode = stats([s["decode_tok_s"] for s in ss])
+        bf16 = medians.get((BF16, spec, b))
+        row: dict[str, Any] = {
+            "format": fmt,
+            "spec": spec,
+            "batch_size": b,
+            "runs": len(ss),
+            "decode_tok_s": decode,
+            "output_tok_s": stats([s["output_tok_s"] for s in ss]),
+            "vs_bf16": decode["median"] / bf16 if bf16 and fmt != LLAMA_CPP else None,
+            "vs_llama_cpp": decode["median"] / llama if llama and fmt != LLAMA_CPP else None,
+        }
+        if spec == NGRAM:
+            same = [x for s in ss for x in s.get("same_as_off", [])]
+            counters = [s["spec_counters"] for s in ss]
+            drafts = sum(c["drafts"] for c in counters)
+            draft_tokens = sum(c["draft_tokens"] for c in counters)
+            accepted = sum(c["accepted"] for c in counters)
+            row["same_output"] = [sum(same), len(same)]
+            row["acceptance_rate"] = accepted / draft_tokens if draft_tokens else None
+            row["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
+            off = medians.get((fmt, SPEC_OFF, b))
+            row["vs_off"] = decode["median"] / off if off else None
+        if fmt == LLAMA_CPP:
+            agree = [s["agree_tokens_int4"] for s in ss if "agree_tokens_int4" in s]
+            row["agree_tokens_int4"] = agree
+        rows.append(row)
+    order = {f: i for i, f in enumerate((*FORMATS, LLAMA_CPP))}
+    rows.sort(key=lambda r: (r["batch_size"], order[r["format"]], r["spec"] != SPEC_OFF))
+    return rows
+
+
+def summarize_kernel(
+    kernel: Sequence[dict[str, Any]], summary: Sequence[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Per format: the kernel floor, its ratio to bf16's, and engine batch 1 (no spec) / floor."""
+    floors = {
+        fmt: stats([k["steps_s"] for k in kernel if k["format"] == fmt])
+        for fmt in dict.fromkeys(k["format"] for k in kernel)
+    }
+    b1 = {
+        r["format"]: r["decode_tok_s"]["median"]
+        for r in summary
+        if r["batch_size"] == 1 and r["spec"] == SPEC_OFF
+    }
+    bf16 = floors.get(BF16)
+    return [
+        {
+            "format": fmt,
+            "steps_s": s,
+            "vs_bf16": s["median"] / bf16["median"] if bf16 else None,
+            "engine_b1_of_floor": b1[fmt] / s["median"] if fmt in b1 else None,
+        }
+        for fmt, s in floors.items()
+    ]
+
+
+def check_targets(
+    summary: Sequence[dict[str, Any]], kv: dict[str, int], config: QuantBenchConfig
+) -> list[dict[str, Any]]:
+    """The issue's targets that this run covers, each with its measured value."""
+    tok_s = {
+        (r["format"], r["batch_size"]): r["decode_tok_s"]["median"]
+        for r in summary
+        if r["spec"] in (SPEC_OFF, LLAMA_CPP)
+    }
+    targets = []
+    if ("int8", 1) in tok_s and (BF16, 1) in tok_s:
+        value = tok_s["int8", 1] / tok_s[BF16, 1]
+        targets.append(target_result("int8 batch 1: / bf16", value, TARGET_INT8_VS_BF16))
+    llama = tok_s.get((LLAMA_CPP, 1))
+    if llama is not None and ("int4", 1) in tok_s:
+        value = tok_s["int4", 1] / llama
+        targets.append(target_result("int4 batch 1: / llama.cpp", value, TARGET_INT4_VS_LLAMA_CPP))
+    largest = max(config.batch_sizes)
+    if llama is not None and largest > 1 and ("int4", largest) in tok_s:
+        targets.append(
+            target_result(
+                f"int4 batch {largest}: / llama.cpp single stream",
+                tok_s["int4", largest] / llama,
+                TARGET_INT4_BATCH_VS_LLAMA_CPP,
+            )
+        )
+    # Stated as bf16 / int8 >= 1 / 0.55, so that more is better like the other targets.
+    targets.append(
+        target_result(
+            f"KV bytes per token: bf16 / int8 (int8 <= {TARGET_KV_INT8_OF_BF16}x bf16)",
+            kv[BF16] / kv["int8"],
+            1 / TARGET_KV_INT8_OF_BF16,
+        )
+    )
+    return targets

@@ -1,0 +1,77 @@
+"""The `tandem bench quant` command (registered by tandem.cli); tandem.bench.quant is imported only
+when it runs, so `tandem --help` stays free of torch imports."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from tandem.config import DEFAULT_MODEL
+
+# The matrix needs ~140 columns; without a terminal (a log file) rich would cut it at 80.
+console = Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
+def bench_quant(
+    model: Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")] = (
+        DEFAULT_MODEL
+    ),
+    formats: Annotated[str, typer.Option(help="Comma-separated: bf16, int8, int4.")] = (
+        "bf16,int8,int4"
+    ),
+    group_size: Annotated[int, typer.Option(help="int4: input channels per group.")] = 32,
+    num_spec_tokens: Annotated[int, typer.Option(help="n-gram draft tokens per step (k).")] = 5,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,16",
+    prompts: Annotated[int, typer.Option(help="Batch-1 prompts per round, one at a time.")] = 3,
+    new_tokens: Annotated[int, typer.Option(help="Output tokens of every request.")] = 128,
+    rounds: Annotated[int, typer.Option(help="Repetitions of every run.")] = 3,
+    threads: int = 2,
+    device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N")] = "cpu",
+    llama_cpp: Annotated[
+        bool, typer.Option(help="llama.cpp on the same GGUF at batch 1 (the bench-ref extra).")
+    ] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the prompt order.")] = 0,
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="A pipeline check: one prompt, batch 1 and 2, 8 tokens."),
+    ] = False,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
+    ] = None,
+) -> None:
+    """Weight formats x n-gram speculation x batch size in one run, with llama.cpp on the same
+    GGUF and each format's kernel floor, against the quantization targets."""
+    from tandem.bench.engine import BenchError
+    from tandem.bench.quant import QuantBenchConfig, run_quant_bench
+
+    try:
+        config = QuantBenchConfig(
+            model=model,
+            formats=_names(formats),
+            group_size=group_size,
+            num_speculative_tokens=num_spec_tokens,
+            batch_sizes=tuple(int(b) for b in _names(batch_sizes)),
+            prompts=prompts,
+            new_tokens=new_tokens,
+            rounds=rounds,
+            threads=threads,
+            device=device,
+            llama_cpp=llama_cpp,
+            seed=seed,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+    if quick:
+        config = config.quick()
+    try:
+        run_quant_bench(config, json_out, console)
+    except BenchError as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
