@@ -33,9 +33,9 @@ def _num(value: float | None, spec: str = ".2f", suffix: str = "x") -> str:
 
 def _matrix_table(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Table:
     table = Table(
-        title=f"{config['model']}, bfloat16 engines, {config['new_tokens']} new tokens, greedy, "
-        f"{config['threads']} threads, k = {config['num_speculative_tokens']}; decode tok/s "
-        f"(prefill excluded): median (min-max) over {config['rounds']} rounds",
+        title=f"decode tok/s (prefill excluded), median (min-max) of {config['rounds']} rounds: "
+        f"{config['model']}, bfloat16, {config['new_tokens']} new tokens, greedy, "
+        f"{config['threads']} threads, k = {config['num_speculative_tokens']}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
