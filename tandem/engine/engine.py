@@ -74,7 +74,9 @@ class EngineCore:
                 mc.quant_group_size,
             )
             bytes_per_block = kv_bytes_per_token(self.model.cfg, kv_dtype) * block_size
-            bytes_per_block += draft_kv_bytes_per_block(config.spec, block_size, kv_dtype)
+            bytes_per_block += draft_kv_bytes_per_block(
+                config.spec, block_size, kv_dtype, mc.torch_dtype
+            )
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = min(
@@ -181,12 +183,12 @@ class EngineCore:
             stats = self.scheduler.spec_stats
             if verifying:
                 stats.verify_seconds += time.perf_counter() - start
-            for delta in deltas:
-                if delta.finished:
-                    self.proposer.release(delta.request.request_id)
             start = time.perf_counter()
             self._propose(self.proposer, result.hidden)
             stats.propose_seconds += time.perf_counter() - start
+            for delta in deltas:  # after proposing: the step's hidden states still cover them
+                if delta.finished:
+                    self.proposer.release(delta.request.request_id)
         return deltas
 
     def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:

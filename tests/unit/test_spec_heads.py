@@ -291,3 +291,13 @@ def test_spec_train_runs_saves_and_loads(
         ["hello"], SamplingParams(max_tokens=8, temperature=0.0)
     )
     assert output.token_ids == plain[0].token_ids
+
+
+def test_eagle_kv_is_budgeted(tiny_llama_path: Path, head_dirs: dict[str, Path]) -> None:
+    """The EAGLE head's one-layer KV comes out of the engine's memory budget."""
+    options = dict(memory_gib=0.001, block_size=BLOCK_SIZE)
+    plain = EngineCore(EngineConfig.create(str(tiny_llama_path), **options))
+    spec = {"method": "eagle", "path": str(head_dirs["eagle"])}
+    eagle = EngineCore(EngineConfig.create(str(tiny_llama_path), speculative=spec, **options))
+    layers = plain.model.cfg.num_layers  # the head's layer is shaped as one of the target's
+    assert eagle.kv_cache.num_blocks == plain.kv_cache.num_blocks * layers // (layers + 1)

@@ -168,12 +168,18 @@ class DraftModelProposer(Proposer):
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])
 
 
-def draft_kv_bytes_per_block(spec: SpecConfig, block_size: int, kv_dtype: torch.dtype) -> int:
+def draft_kv_bytes_per_block(
+    spec: SpecConfig, block_size: int, kv_dtype: torch.dtype, model_dtype: torch.dtype
+) -> int:
     """KV bytes per block that the proposer of `spec` adds to the target's: a draft model's own
-    layers; nothing for the others (layer-skip reads the target's cache)."""
-    if spec.method != "draft":
-        return 0
-    return kv_bytes_per_token(load_config(_draft_path(spec)), kv_dtype) * block_size
+    layers (in the cache's format), an EAGLE head's one layer (in the model dtype); nothing for
+    the others (layer-skip reads the target's cache, Medusa heads keep no KV)."""
+    if spec.method == "draft":
+        return kv_bytes_per_token(load_config(_draft_path(spec)), kv_dtype) * block_size
+    if spec.method == "eagle":
+        assert spec.path is not None  # SpecConfig requires it for method "eagle"
+        return kv_bytes_per_token(load_config(spec.path), model_dtype) * block_size
+    return 0
 
 
 def load_draft_proposer(

@@ -253,9 +253,6 @@ class EagleProposer(Proposer):
             torch.zeros(shape, dtype=head.dtype, device=device) for _ in range(cfg.num_layers)
         ]
         self._seqs: dict[str, _Seq] = {}
-        # Released since the last proposal: the engine releases a request that finished in a
-        # step before handing over that step's hidden states, which still cover it.
-        self._released: set[str] = set()
 
     @torch.inference_mode()
     def propose(
@@ -263,7 +260,6 @@ class EagleProposer(Proposer):
     ) -> list[Draft]:
         if hidden is not None:
             self._absorb(hidden)
-        self._released.clear()
         jobs = [job for req, k in batch if (job := self._start(req, k)) is not None]
         if jobs:
             self._catch_up([j for j in jobs if j.num_new])
@@ -280,13 +276,10 @@ class EagleProposer(Proposer):
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
         self.kv_cache.free(request_id)
-        self._released.add(request_id)
 
     def _absorb(self, hidden: StepHidden) -> None:
         """Buffer the step's target states of every request it computed."""
         for request_id, (row, first, num) in hidden.spans.items():
-            if request_id in self._released:
-                continue
             rows = hidden.states[row : row + num]  # [num, hidden], positions [first, first + num)
             seq = self._seqs.get(request_id)
             if seq is None or first > seq.done + len(seq.pending):
