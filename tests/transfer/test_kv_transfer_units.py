@@ -9,9 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kv_transfer import FailureCause, KVLayout, KVTicket, TransferError, TransferState
+from kv_transfer import FailureCause, KVLayout, KVTicket, TransferError, TransferState, layout
 from kv_transfer.fake import FaultyPlane, at_layer
-from kv_transfer import layout
 from kv_transfer.layout import (
     as_bytes,
     copy_tokens,
