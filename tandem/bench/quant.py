@@ -17,7 +17,8 @@ A run is greedy with exactly `new_tokens` output tokens (EOS ignored). The engin
 directly: decode tok/s = the output tokens produced after every request of the run has its first
 token, over the time from that moment to the last token (prefill excluded; at batch 1 it is
 1 / TPOT); output tok/s = all output tokens over the wall time of the run (prefill included).
-Each n-gram run's tokens are compared with the same format's run without speculation.
+Each n-gram run's tokens are compared with the same format's run without speculation (the first
+differing position per request), and llama.cpp's with the int4 engine's (the same Q4_1 weights).
 
 llama.cpp (`llama-cpp-python`, the `bench-ref` extra): `Llama` on the same GGUF with `n_threads`
 = `threads`, the same prompt token ids, greedy (`temp=0`), `new_tokens` tokens drawn from its
@@ -458,19 +459,21 @@ def _sample(
         "decode_tok_s": run.decode_tokens / run.decode_s,
         "spec_counters": run.spec,
     }
-    if side.spec == NGRAM and side.fmt in base:
-        sample["same_as_off"] = [
-            a == b for a, b in zip(run.token_ids, base[side.fmt].token_ids, strict=True)
-        ]
+    if side.spec == NGRAM and side.fmt in base:  # per request; None = the same tokens
+        pairs = zip(run.token_ids, base[side.fmt].token_ids, strict=True)
+        sample["first_difference"] = [_first_difference(a, b) for a, b in pairs]
     if side.fmt == LLAMA_CPP and "int4" in base:
-        sample["agree_tokens_int4"] = _common_prefix(run.token_ids[0], base["int4"].token_ids[0])
+        first = _first_difference(run.token_ids[0], base["int4"].token_ids[0])
+        sample["first_difference_int4"] = first
     return sample
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter ends); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # --- summaries and targets ----------------------------------------------------------------
@@ -498,19 +501,19 @@ def summarize(samples: Sequence[dict[str, Any]], config: QuantBenchConfig) -> li
             "vs_llama_cpp": decode["median"] / llama if llama and fmt != LLAMA_CPP else None,
         }
         if spec == NGRAM:
-            same = [x for s in ss for x in s.get("same_as_off", [])]
+            differences = [d for s in ss for d in s.get("first_difference", [])]
             counters = [s["spec_counters"] for s in ss]
             drafts = sum(c["drafts"] for c in counters)
             draft_tokens = sum(c["draft_tokens"] for c in counters)
             accepted = sum(c["accepted"] for c in counters)
-            row["same_output"] = [sum(same), len(same)]
+            row["same_output"] = [differences.count(None), len(differences)]
+            row["first_differences"] = sorted(d for d in differences if d is not None)
             row["acceptance_rate"] = accepted / draft_tokens if draft_tokens else None
             row["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
             off = medians.get((fmt, SPEC_OFF, b))
             row["vs_off"] = decode["median"] / off if off else None
-        if fmt == LLAMA_CPP:
-            agree = [s["agree_tokens_int4"] for s in ss if "agree_tokens_int4" in s]
-            row["agree_tokens_int4"] = agree
+        if fmt == LLAMA_CPP:  # greedy tokens against the int4 engine's (the same weights)
+            row["first_difference_int4"] = [s.get("first_difference_int4") for s in ss]
         rows.append(row)
     order = {f: i for i, f in enumerate((*FORMATS, LLAMA_CPP))}
     rows.sort(key=lambda r: (r["batch_size"], order[r["format"]], r["spec"] != SPEC_OFF))

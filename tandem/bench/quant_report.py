@@ -48,7 +48,6 @@ def _matrix_table(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Tab
         if batch is not None and r["batch_size"] != batch:
             table.add_section()
         batch = r["batch_size"]
-        same = r.get("same_output")
         table.add_row(
             str(r["batch_size"]),
             r["format"],
@@ -58,11 +57,26 @@ def _matrix_table(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Tab
             _num(r["vs_llama_cpp"]),
             _num(r.get("vs_off")),
             _num(r.get("mean_acceptance_length"), ".2f", ""),
-            f"{same[0]}/{same[1]}" if same else "",
+            _same(r),
             fmt_stats(r["output_tok_s"]),
         )
-    table.caption = "output tok/s: all output tokens / wall time of the run, prefill included"
+    table.caption = (
+        "same output: requests whose tokens equal the run without speculation (llama.cpp: the "
+        "int4 engine's), with the earliest difference; output tok/s: all output tokens / wall "
+        "time of the run, prefill included"
+    )
     return table
+
+
+def _same(row: dict[str, Any]) -> str:
+    if row["format"] == LLAMA_CPP:
+        firsts = row.get("first_difference_int4", [])
+        same, total, diffs = firsts.count(None), len(firsts), [d for d in firsts if d is not None]
+    elif "same_output" in row:
+        (same, total), diffs = row["same_output"], row["first_differences"]
+    else:
+        return ""
+    return f"{same}/{total}" + (f" (from {min(diffs)})" if diffs else "") if total else ""
 
 
 def _floor_table(floors: Sequence[dict[str, Any]]) -> Table:

@@ -30,7 +30,7 @@ def sample(fmt: str, spec: str, batch_size: int, decode_tok_s: float) -> dict:
         "decode_tok_s": decode_tok_s,
         "output_tok_s": decode_tok_s / 2,
         "spec_counters": counters,
-        **({"same_as_off": [True]} if spec == NGRAM else {}),
+        **({"first_difference": [None]} if spec == NGRAM else {}),
     }
 
 
