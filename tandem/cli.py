@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tandem.bench.cli_common import names, run_bench_command
 from tandem.bench.experiment_cli import bench_experiment
 from tandem.bench.quant_cli import bench_quant
 from tandem.bench.serve_cli import bench_serve, bench_sla
@@ -501,12 +502,12 @@ def bench_engine(
     ] = None,
 ) -> None:
     """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
-    from tandem.bench.engine import BenchConfig, BenchError, run_engine_bench
+    from tandem.bench.engine import BenchConfig, run_engine_bench
 
-    try:
-        config = BenchConfig(
+    run_bench_command(
+        lambda: BenchConfig(
             model=model,
-            dtypes=tuple(d.strip() for d in dtypes.split(",") if d.strip()),
+            dtypes=names(dtypes),
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             threads=threads,
@@ -515,16 +516,12 @@ def bench_engine(
             rounds=rounds,
             prompts_per_round=prompts_per_round,
             seed=seed,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    if quick:
-        config = config.quick()
-    try:
-        run_engine_bench(config, json_out, console)
-    except BenchError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        ),
+        quick,
+        run_engine_bench,
+        json_out,
+        console,
+    )
 
 
 @bench_app.command("transfer")
@@ -566,14 +563,10 @@ def bench_transfer(
 ) -> None:
     """KV transfer: each channel's GB/s against raw TCP / memcpy, and the exposed transfer time
     with and without layer-wise streaming."""
-    from tandem.bench.engine import BenchError
     from tandem.bench.transfer import BenchConfig, run_transfer_bench
 
-    def names(text: str) -> tuple[str, ...]:
-        return tuple(s.strip() for s in text.split(",") if s.strip())
-
-    try:
-        config = BenchConfig(
+    run_bench_command(
+        lambda: BenchConfig(
             model=model,
             device=device,
             dtype=dtype,
@@ -586,16 +579,12 @@ def bench_transfer(
             decode_tokens=decode_tokens,
             threads=threads,
             seed=seed,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    if quick:
-        config = config.quick()
-    try:
-        run_transfer_bench(config, json_out, console)
-    except BenchError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        ),
+        quick,
+        run_transfer_bench,
+        json_out,
+        console,
+    )
 
 
 bench_app.command("serve")(bench_serve)  # options in tandem/bench/serve_cli.py

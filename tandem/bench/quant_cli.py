@@ -9,14 +9,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from tandem.bench.cli_common import names, run_bench_command
 from tandem.config import DEFAULT_MODEL
 
 # The matrix needs ~140 columns; without a terminal (a log file) rich would cut it at 80.
 console = Console() if sys.stdout.isatty() else Console(width=160)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
 def bench_quant(
@@ -48,16 +45,15 @@ def bench_quant(
 ) -> None:
     """Weight formats x n-gram speculation x batch size in one run, with llama.cpp on the same
     GGUF and each format's kernel floor, against the quantization targets."""
-    from tandem.bench.engine import BenchError
     from tandem.bench.quant import QuantBenchConfig, run_quant_bench
 
-    try:
-        config = QuantBenchConfig(
+    run_bench_command(
+        lambda: QuantBenchConfig(
             model=model,
-            formats=_names(formats),
+            formats=names(formats),
             group_size=group_size,
             num_speculative_tokens=num_spec_tokens,
-            batch_sizes=tuple(int(b) for b in _names(batch_sizes)),
+            batch_sizes=tuple(int(b) for b in names(batch_sizes)),
             prompts=prompts,
             new_tokens=new_tokens,
             rounds=rounds,
@@ -65,13 +61,9 @@ def bench_quant(
             device=device,
             llama_cpp=llama_cpp,
             seed=seed,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    if quick:
-        config = config.quick()
-    try:
-        run_quant_bench(config, json_out, console)
-    except BenchError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        ),
+        quick,
+        run_quant_bench,
+        json_out,
+        console,
+    )

@@ -9,14 +9,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from tandem.bench.cli_common import names, run_bench_command
 from tandem.config import DEFAULT_MODEL
 
 # The tables need ~130 columns; without a terminal (a log file) rich would cut them at 80.
 console = Console() if sys.stdout.isatty() else Console(width=160)
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
 
 
 def bench_spec(
@@ -60,17 +57,16 @@ def bench_spec(
 ) -> None:
     """Output tok/s with and without speculative decoding per proposer, category and batch size,
     with acceptance, against transformers prompt lookup and assisted generation."""
-    from tandem.bench.engine import BenchError
     from tandem.bench.spec import SpecBenchConfig, run_spec_bench
     from tandem.bench.workloads import SPECBENCH_CATEGORIES
 
-    try:
-        config = SpecBenchConfig(
+    run_bench_command(
+        lambda: SpecBenchConfig(
             model=model,
-            methods=_names(methods),
+            methods=names(methods),
             num_speculative_tokens=num_spec_tokens,
-            categories=_names(categories) or SPECBENCH_CATEGORIES,
-            batch_sizes=tuple(int(b) for b in _names(batch_sizes)),
+            categories=names(categories) or SPECBENCH_CATEGORIES,
+            batch_sizes=tuple(int(b) for b in names(batch_sizes)),
             prompts_per_category=prompts_per_category,
             new_tokens=new_tokens,
             rounds=rounds,
@@ -79,13 +75,9 @@ def bench_spec(
             threads=threads,
             references=references,
             seed=seed,
-        )
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-    if quick:
-        config = config.quick()
-    try:
-        run_spec_bench(config, json_out, console)
-    except BenchError as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
+        ),
+        quick,
+        run_spec_bench,
+        json_out,
+        console,
+    )
