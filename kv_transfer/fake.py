@@ -3,7 +3,8 @@
 Tests hand it to a sender as `KVSender(wrap_plane=FaultyPlane.around(hook))`; the hook runs on
 the sender's stream thread with the source blocks held, so it can stall the transfer (sleep, wait
 on an event) or kill the whole process (`os._exit`) at an exact layer, and the tests check that
-both ends fail typed, in time, and without leaking blocks. `at_layer` makes such a hook.
+both ends fail typed, in time, and without leaking blocks. `at_layer` makes such a hook. The
+fake hands the inner plane one layer at a time, so a hook at layer l runs with layers < l sent.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ class FaultyPlane(DataPlane):
     def fill_header(self, header: pb.TransferHeader) -> None:
         self.inner.fill_header(header)
 
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        self.before_layer(layer)
-        yield from self.inner.send_layer(layer, cache, slots, deadline)
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        for layer in layers:
+            self.before_layer(layer)
+            yield from self.inner.send_layers(range(layer, layer + 1), kv_caches, slots, deadline)
 
     def flush(self, timeout_s: float) -> None:
         self.inner.flush(timeout_s)

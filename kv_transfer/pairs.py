@@ -7,7 +7,8 @@ serves any number of pairs. Rank 0 sends, rank 1 receives. CPU tensors go over G
 tensors over NCCL through the same calls.
 
 Each layer of a transfer travels as one send/recv with its own tag (`tag_base + layer`), so
-transfers on one pair do not need to take turns. Sizes must match exactly (Gloo aborts a receiver
+transfers on one pair do not need to take turns, and a receiver can post the recvs of several
+layers at once. Sizes must match exactly (Gloo aborts a receiver
 that gets more bytes than it posted), which the header, validated against the ticket, guarantees.
 A timed-out send or recv closes the pair for good: both sides drop it and a new one is made.
 
@@ -33,6 +34,9 @@ import torch
 import torch.distributed as dist
 
 TAG_SPACE = 2**30  # tags wrap inside a 32-bit int
+# A sender's marker announces at most this many bytes of posted sends (one layer at least); a
+# receiver posts at most this many bytes of recvs at once (two layers at least).
+WINDOW_BYTES = 32 << 20
 
 
 @functools.cache
@@ -81,14 +85,14 @@ class Pair:
         self.last_used = time.monotonic()
         return self.group.send([tensor], 1 - self.rank, tag)
 
-    def recv(self, tensor: torch.Tensor, tag: int, timeout_s: float) -> None:
-        """Receive into `tensor`; raises on a dead peer or after `timeout_s`."""
+    def post_recv(self, tensor: torch.Tensor, tag: int) -> dist.Work:
+        """Start receiving into `tensor` (asynchronous, like `send`)."""
         self.last_used = time.monotonic()
-        work = self.group.recv([tensor], 1 - self.rank, tag)
-        work.wait(timedelta(seconds=max(timeout_s, 0.001)))
+        return self.group.recv([tensor], 1 - self.rank, tag)
 
 
-def wait_sent(work: dist.Work, timeout_s: float) -> None:
+def wait_done(work: dist.Work, timeout_s: float) -> None:
+    """Wait for a send or recv; raises on a dead peer or after `timeout_s`."""
     work.wait(timedelta(seconds=max(timeout_s, 0.001)))
 
 

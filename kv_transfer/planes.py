@@ -1,9 +1,12 @@
-"""Sender-side data planes: how one layer's KV bytes reach the receiver.
+"""Sender-side data planes: how a run of layers' KV bytes reaches the receiver.
 
-Each plane yields the `LayerChunk` control messages that go on the gRPC stream after it has
-moved (or started moving) the bytes. `GrpcPlane` puts the bytes in the chunks themselves;
-`PairPlane` sends the layer over a torch.distributed pair and yields a marker; `ShmPlane` writes
-straight into the receiver's shared-memory blocks and yields a marker.
+Each plane moves (or starts moving) the bytes of the consecutive layers it is handed and yields
+the serialized `KVChunk` messages that go on the gRPC stream. `GrpcPlane` puts the bytes in the
+messages themselves; `PairPlane` sends each layer over a torch.distributed pair and yields a
+marker after each group of sends; `ShmPlane` writes straight into the receiver's shared-memory
+blocks and yields one marker. Handing over every layer that is ready at once (all of them when
+the prefill did not stream layer by layer) keeps the control stream at a few messages per
+transfer.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from collections.abc import Iterator
 import torch
 from torch.distributed import Work
 
-from kv_transfer.layout import as_bytes, copy_tokens, gather_tokens, slot_mapping
-from kv_transfer.pairs import Pair, wait_sent
+from kv_transfer.layout import copy_tokens, gather_tokens, row_nbytes, slot_mapping, wire_pieces
+from kv_transfer.pairs import WINDOW_BYTES, Pair, wait_done
 from kv_transfer.shm import SharedKVCache
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
+from kv_transfer.wire import layer_message
 from tandem.v1 import kv_transfer_pb2 as pb
 
 
@@ -30,13 +34,15 @@ class DataPlane(ABC):
         """Add what the receiver needs to find this plane's bytes."""
 
     @abstractmethod
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        """Move the KV of `slots` in `cache` (one layer of the sender's cache) to the receiver,
-        not after `deadline` (time.monotonic()) when writing into the receiver's memory.
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        """Move the KV of `slots` in `kv_caches[l]` (the sender's cache) for each l in `layers`
+        to the receiver, not after `deadline` (time.monotonic()) when writing into the
+        receiver's memory; yields the stream's messages (`wire.layer_message`).
 
-        The sender's blocks may be released once this generator is exhausted."""
+        The caller holds the source blocks while the generator runs, and may release them once
+        it is exhausted."""
 
     def flush(self, timeout_s: float) -> None:  # noqa: B027 (optional hook)
         """Wait until every byte sent is delivered."""
@@ -45,16 +51,30 @@ class DataPlane(ABC):
 class GrpcPlane(DataPlane):
     kind = pb.DATA_PLANE_GRPC
 
-    def __init__(self, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, chunk_bytes: int = 4 << 20) -> None:
         self.chunk_bytes = chunk_bytes
 
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        data = as_bytes(gather_tokens(cache, slots).cpu())  # [2, num_tokens, heads, dim]
-        for offset in range(0, len(data), self.chunk_bytes):
-            piece = data[offset : offset + self.chunk_bytes]
-            yield pb.LayerChunk(layer=layer, offset=offset, data=piece.tobytes())
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        row = row_nbytes(kv_caches[0])
+        chunk = max(1, self.chunk_bytes // row) * row  # whole rows: the receiver writes in place
+        layer_bytes = 2 * len(slots) * row
+        pieces: list[memoryview] = []
+        size = sent = 0  # bytes in `pieces`; bytes of `layers` before them
+        for layer in layers:
+            for piece in wire_pieces(kv_caches[layer], slots):
+                while len(piece):
+                    take = min(len(piece), chunk - size)
+                    pieces.append(piece[:take])
+                    piece, size = piece[take:], size + take
+                    if size == chunk:
+                        first, offset = divmod(sent, layer_bytes)
+                        yield layer_message(layers.start + first, offset, pieces)
+                        pieces, size, sent = [], 0, sent + size
+        if pieces:
+            first, offset = divmod(sent, layer_bytes)
+            yield layer_message(layers.start + first, offset, pieces)
 
 
 class PairPlane(DataPlane):
@@ -69,16 +89,26 @@ class PairPlane(DataPlane):
         header.pair_id = self.pair.pair_id
         header.tag_base = self.tag_base
 
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        tokens = gather_tokens(cache, slots)  # a copy: the blocks are free once this returns
-        self._in_flight.append((self.pair.send(tokens, self.tag_base + layer), tokens))
-        yield pb.LayerChunk(layer=layer)
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        # A marker follows the sends it announces (the receiver waits on those recvs only, and
+        # Gloo moves no bytes before they are posted), after 1, 2, 4, ... layers up to
+        # WINDOW_BYTES: the receiver takes a group while the next one is gathered.
+        layer_bytes = 2 * len(slots) * row_nbytes(kv_caches[0])
+        most = max(1, WINDOW_BYTES // max(layer_bytes, 1))
+        start, size = layers.start, 1
+        while start < layers.stop:
+            group = range(start, min(start + size, layers.stop))
+            for layer in group:
+                tokens = gather_tokens(kv_caches[layer], slots)  # a copy: blocks free after it
+                self._in_flight.append((self.pair.send(tokens, self.tag_base + layer), tokens))
+            yield layer_message(group.start, num_layers=len(group))
+            start, size = group.stop, min(2 * size, most)
 
     def flush(self, timeout_s: float) -> None:
         for work, _ in self._in_flight:
-            wait_sent(work, timeout_s)
+            wait_done(work, timeout_s)
         self._in_flight.clear()
 
 
@@ -91,11 +121,14 @@ class ShmPlane(DataPlane):
             ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, torch.device("cpu")
         )
 
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        # The fence: past the receiver's deadline its blocks may belong to another request.
-        if time.monotonic() >= deadline:
-            raise TransferError(FailureCause.TIMEOUT, "past the receiver's deadline: not writing")
-        copy_tokens(cache, slots, self.target.kv_caches[layer], self.dst_slots)
-        yield pb.LayerChunk(layer=layer)
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        for layer in layers:
+            # The fence: past the receiver's deadline its blocks may belong to another request.
+            if time.monotonic() >= deadline:
+                raise TransferError(
+                    FailureCause.TIMEOUT, "past the receiver's deadline: not writing"
+                )
+            copy_tokens(kv_caches[layer], slots, self.target.kv_caches[layer], self.dst_slots)
+        yield layer_message(layers.start, num_layers=len(layers))

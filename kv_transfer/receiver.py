@@ -15,6 +15,7 @@ worker start decoding from the blocks (Success) or free them (Failed).
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -26,15 +27,21 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from kv_transfer.layout import from_bytes, scatter_tokens, slot_mapping
+from kv_transfer.layout import slot_mapping
 from kv_transfer.pairs import PairHost
 from kv_transfer.shm import SharedKVCache
+from kv_transfer.sinks import GrpcSink, LayerSink, PairSink, ShmSink
 from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
-from kv_transfer.wire import GRPC_OPTIONS, first_token_from_proto, tensor_from_proto
+from kv_transfer.wire import (
+    GRPC_OPTIONS,
+    SERVICE,
+    first_token_from_proto,
+    parse_chunk,
+    tensor_from_proto,
+)
 from tandem.engine.sampler import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
-from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +127,7 @@ class KVReceiver:
             futures.ThreadPoolExecutor(max_workers=max_streams + 8, thread_name_prefix="kv-recv"),
             options=GRPC_OPTIONS,
         )
-        pb_grpc.add_KVTransferServicer_to_server(_Servicer(self), self._server)
+        self._server.add_generic_rpc_handlers((_service(self),))
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         self._server.start()
 
@@ -132,6 +139,8 @@ class KVReceiver:
         self, request_key: str, block_ids: list[int], num_tokens: int, timeout_s: float = 30.0
     ) -> KVTicket:
         """Reserve: KV for `num_tokens` tokens will arrive into `block_ids`; returns the ticket."""
+        if num_tokens < 1:
+            raise ValueError(f"a transfer moves at least one token, got num_tokens={num_tokens}")
         if num_tokens > len(block_ids) * self.layout.block_size:
             raise ValueError(f"{num_tokens} tokens do not fit in {len(block_ids)} blocks")
         ticket = KVTicket(
@@ -237,21 +246,27 @@ class KVReceiver:
         return res, layout
 
     def push(
-        self, requests: Iterator[pb.KVChunk], context: grpc.ServicerContext
+        self, requests: Iterator[bytes], context: grpc.ServicerContext
     ) -> Iterator[pb.PushReply]:
-        first = next(requests, None)
-        if first is None:
+        """The Push RPC: its requests are serialized KVChunks (`wire.parse_chunk`)."""
+        message = next(requests, None)
+        if message is None:
             return
+        try:
+            first, _ = parse_chunk(message)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a header")
+        header = first.header
         try:
-            res, layout = self._claim(first.header)
+            res, layout = self._claim(header)
         except _Reject as e:
             context.abort(e.code, e.message)
         reader = threading.Thread(
             target=self._read,
-            args=(res, first.header, layout, requests),
-            name=f"kv-read-{first.header.request_key}",
+            args=(res, header, layout, requests),
+            name=f"kv-read-{header.request_key}",
             daemon=True,
         )
         reader.start()
@@ -274,7 +289,7 @@ class KVReceiver:
         res: _Reservation,
         header: pb.TransferHeader,
         layout: KVLayout,
-        requests: Iterator[pb.KVChunk],
+        requests: Iterator[bytes],
     ) -> None:
         """Consume the layers and the trailer; reply DONE, or an error status."""
         reply: _Reply
@@ -314,69 +329,48 @@ class KVReceiver:
         res: _Reservation,
         header: pb.TransferHeader,
         layout: KVLayout,
-        requests: Iterator[pb.KVChunk],
+        requests: Iterator[bytes],
     ) -> pb.PushReply:
-        num_layers, n = self.layout.num_layers, header.num_tokens
-        shape = (2, n, layout.num_kv_heads, layout.slot_dim)
-        layer_nbytes = layout.layer_nbytes(n)
-        partial: dict[int, tuple[bytearray, int]] = {}  # gRPC plane: layer -> (bytes, filled)
-        done: set[int] = set()
-        pair = self.pairs.get(header.pair_id) if self.pairs is not None else None
-        staging: torch.Tensor | None = None  # pair plane: [2, num_tokens, heads, slot_dim]
-        for chunk in requests:
+        sink = self._sink(res, header, layout)
+        for message in requests:
+            try:
+                chunk, data = parse_chunk(message)
+            except ValueError as e:
+                raise TransferError(FailureCause.BAD_METADATA, str(e)) from e
             part = chunk.WhichOneof("part")
-            if part == "trailer":
-                if len(done) != num_layers:
-                    raise TransferError(
-                        FailureCause.PEER_LOST, f"trailer after {len(done)}/{num_layers} layers"
-                    )
-                if res.cancelled:
-                    raise TransferError(FailureCause.CANCELLED, "the request was aborted")
-                a = res.arrival
-                a.first_token, a.logprobs = first_token_from_proto(chunk.trailer.first_token)
-                a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
-                a.first_token_unix = chunk.trailer.first_token_unix
-                res.status.advance(TransferState.SUCCESS)
-                return pb.PushReply(kind=pb.PushReply.DONE, bytes_received=a.nbytes)
-            if part != "layer":
+            if part == "layer":
+                sink.add(chunk.layer, data, res.status.deadline)
+                res.arrival.nbytes = sink.layers_done * layout.layer_nbytes(header.num_tokens)
+                continue
+            if part != "trailer":
                 raise TransferError(FailureCause.BAD_METADATA, f"unexpected {part} message")
-            msg = chunk.layer
-            if not 0 <= msg.layer < num_layers or msg.layer in done:
-                raise TransferError(FailureCause.BAD_METADATA, f"bad layer index {msg.layer}")
-            if header.data_plane == pb.DATA_PLANE_GRPC:
-                buf, filled = partial.get(msg.layer) or (bytearray(layer_nbytes), 0)
-                end = msg.offset + len(msg.data)
-                if end > layer_nbytes:
-                    raise TransferError(FailureCause.BAD_METADATA, "chunk past the layer's end")
-                buf[msg.offset : end] = msg.data
-                filled += len(msg.data)
-                if filled < layer_nbytes:
-                    partial[msg.layer] = (buf, filled)
-                    continue
-                partial.pop(msg.layer, None)
-                self._write(res, msg.layer, from_bytes(buf, layout.torch_dtype, shape))
-            elif header.data_plane == pb.DATA_PLANE_PAIR:
-                if pair is None:
-                    raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
-                if staging is None:  # one buffer for every layer: layers arrive one at a time
-                    staging = torch.empty(shape, dtype=layout.torch_dtype, device=self._device)
-                pair.recv(staging, header.tag_base + msg.layer, res.status.remaining())
-                self._write(res, msg.layer, staging)
-            # DATA_PLANE_SHM: the sender has written the layer into our blocks itself.
-            done.add(msg.layer)
-            res.arrival.nbytes += layer_nbytes
+            if sink.layers_done != self.layout.num_layers:
+                raise TransferError(
+                    FailureCause.PEER_LOST,
+                    f"trailer after {sink.layers_done}/{self.layout.num_layers} layers",
+                )
+            if res.cancelled:
+                raise TransferError(FailureCause.CANCELLED, "the request was aborted")
+            a = res.arrival
+            a.first_token, a.logprobs = first_token_from_proto(chunk.trailer.first_token)
+            a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
+            a.first_token_unix = chunk.trailer.first_token_unix
+            res.status.advance(TransferState.SUCCESS)
+            return pb.PushReply(kind=pb.PushReply.DONE, bytes_received=a.nbytes)
         if res.cancelled:
             raise TransferError(FailureCause.CANCELLED, "the request was aborted")
-        raise TransferError(FailureCause.PEER_LOST, f"stream ended after {len(done)} layers")
+        raise TransferError(FailureCause.PEER_LOST, f"stream ended after {sink.layers_done} layers")
 
-    @property
-    def _device(self) -> torch.device:
-        return self.kv_caches[0].device
-
-    def _write(self, res: _Reservation, layer: int, tokens: torch.Tensor) -> None:
-        with res.lock:
-            if res.writable:
-                scatter_tokens(self.kv_caches[layer], res.slots, tokens)
+    def _sink(self, res: _Reservation, header: pb.TransferHeader, layout: KVLayout) -> LayerSink:
+        args = (self.kv_caches, res, layout, header.num_tokens)
+        if header.data_plane == pb.DATA_PLANE_GRPC:
+            return GrpcSink(*args)
+        if header.data_plane == pb.DATA_PLANE_SHM:
+            return ShmSink(*args)
+        pair = self.pairs.get(header.pair_id) if self.pairs is not None else None
+        if pair is None:
+            raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
+        return PairSink(*args, pair, header.tag_base)
 
 
 _STATUS_OF = {
@@ -395,33 +389,45 @@ class _Reject(Exception):
         self.code, self.message = code, message
 
 
-class _Servicer(pb_grpc.KVTransferServicer):
-    """Thin: translates RPCs to the receiver's methods."""
-
-    def __init__(self, receiver: KVReceiver) -> None:
-        self.receiver = receiver
-
-    def Push(
-        self, request_iterator: Iterator[pb.KVChunk], context: grpc.ServicerContext
-    ) -> Iterator[pb.PushReply]:
-        return self.receiver.push(request_iterator, context)
-
-    def OpenPair(
-        self, request: pb.OpenPairRequest, context: grpc.ServicerContext
-    ) -> pb.OpenPairReply:
-        pairs = self.receiver.pairs
-        if pairs is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no pair store")
-            return pb.OpenPairReply()
-        try:
-            pairs.open(request.pair_id, request.backend, request.timeout_s or 10.0)
-        except Exception as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"could not join pair: {e}")
+def _open_pair(
+    receiver: KVReceiver, request: pb.OpenPairRequest, context: grpc.ServicerContext
+) -> pb.OpenPairReply:
+    pairs = receiver.pairs
+    if pairs is None:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker has no pair store")
         return pb.OpenPairReply()
+    try:
+        pairs.open(request.pair_id, request.backend, request.timeout_s or 10.0)
+    except Exception as e:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"could not join pair: {e}")
+    return pb.OpenPairReply()
 
-    def ClosePair(
-        self, request: pb.ClosePairRequest, context: grpc.ServicerContext
-    ) -> pb.ClosePairReply:
-        if self.receiver.pairs is not None:
-            self.receiver.pairs.close(request.pair_id)
-        return pb.ClosePairReply()
+
+def _close_pair(
+    receiver: KVReceiver, request: pb.ClosePairRequest, context: grpc.ServicerContext
+) -> pb.ClosePairReply:
+    if receiver.pairs is not None:
+        receiver.pairs.close(request.pair_id)
+    return pb.ClosePairReply()
+
+
+def _service(receiver: KVReceiver) -> grpc.GenericRpcHandler:
+    """The KVTransfer service; Push takes its requests as bytes (the stub's would parse them)."""
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Push": grpc.stream_stream_rpc_method_handler(
+                receiver.push, response_serializer=pb.PushReply.SerializeToString
+            ),
+            "OpenPair": grpc.unary_unary_rpc_method_handler(
+                functools.partial(_open_pair, receiver),
+                request_deserializer=pb.OpenPairRequest.FromString,
+                response_serializer=pb.OpenPairReply.SerializeToString,
+            ),
+            "ClosePair": grpc.unary_unary_rpc_method_handler(
+                functools.partial(_close_pair, receiver),
+                request_deserializer=pb.ClosePairRequest.FromString,
+                response_serializer=pb.ClosePairReply.SerializeToString,
+            ),
+        },
+    )

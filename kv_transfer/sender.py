@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import grpc
 import torch
@@ -31,7 +31,7 @@ from kv_transfer.planes import DataPlane, GrpcPlane, PairPlane, ShmPlane
 from kv_transfer.shm import SharedCacheAttachments
 from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
-from kv_transfer.wire import GRPC_OPTIONS, first_token_to_proto, tensor_to_proto
+from kv_transfer.wire import GRPC_OPTIONS, PUSH_METHOD, first_token_to_proto, tensor_to_proto
 from tandem.engine.sampler import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -74,6 +74,7 @@ class OutboundTransfer:
         self.first_token_unix = 0.0
         self.done_time = 0.0
         self._items: queue.Queue[int | _Trailer | None] = queue.Queue()
+        self._held: list[int | _Trailer | None] = []  # taken from _items, not yet handled
         self._accepted = threading.Event()
         self._cancelled = threading.Event()
         self._blocks_lock = threading.Lock()  # held while reading the source blocks
@@ -145,8 +146,8 @@ class OutboundTransfer:
             plane = self.sender.choose_plane(self.ticket, self.kv_caches[0].device)
             self.plane_name = pb.DataPlane.Name(plane.kind).removeprefix("DATA_PLANE_").lower()
             self.status.advance(TransferState.WAITING_FOR_INPUT)
-            stub = self.sender.stub(self.ticket.endpoint)
-            self._call = stub.Push(self._requests(plane), timeout=max(self.status.remaining(), 0))
+            push = self.sender.push_method(self.ticket.endpoint)
+            self._call = push(self._requests(plane), timeout=max(self.status.remaining(), 0))
             if self._cancelled.is_set():
                 self._call.cancel()
             for reply in self._call:
@@ -158,8 +159,9 @@ class OutboundTransfer:
                     self._cancelled_by_receiver = True
                     self._cancelled.set()
                     self._items.put(None)
-                elif reply.kind == pb.PushReply.DONE:
+                elif reply.kind == pb.PushReply.DONE:  # the stream's end is only its status
                     self.status.advance(TransferState.SUCCESS)
+                    self._end()
             if self.status.state != TransferState.SUCCESS:
                 self._fail(FailureCause.PEER_LOST, "the receiver ended the stream early")
         except grpc.RpcError as e:
@@ -176,10 +178,16 @@ class OutboundTransfer:
         finally:
             self._accepted.set()  # unblock the request generator if it still waits
             self._items.put(None)
-            with self._blocks_lock:
-                self._blocks_released = True
-            self.done_time = time.monotonic()
-            self._done.set()
+            self._end()
+
+    def _end(self) -> None:
+        """Nothing reads the source blocks any more (the trailer was the last message)."""
+        with self._blocks_lock:
+            if self._blocks_released:
+                return
+            self._blocks_released = True
+        self.done_time = time.monotonic()
+        self._done.set()
 
     def _fail(self, cause: FailureCause, message: str) -> None:
         if self._local_error is not None and cause == FailureCause.PEER_LOST:
@@ -194,7 +202,7 @@ class OutboundTransfer:
         if failed and self.plane_name == "pair" and not clean:
             self.sender.pairs.drop(self.ticket.endpoint)
 
-    def _requests(self, plane: DataPlane) -> Iterator[pb.KVChunk]:
+    def _requests(self, plane: DataPlane) -> Iterator[bytes]:
         header = pb.TransferHeader(
             request_key=self.ticket.request_key,
             layout=self.layout.to_proto(),
@@ -203,37 +211,22 @@ class OutboundTransfer:
             data_plane=plane.kind,  # type: ignore[arg-type]
         )
         plane.fill_header(header)
-        yield pb.KVChunk(header=header)
+        yield pb.KVChunk(header=header).SerializeToString()
         if not self._accepted.wait(max(self.status.remaining(), 0)) or self.status.state.final:
             return
         while not self._cancelled.is_set():
             try:
-                item = self._items.get(timeout=max(self.status.remaining(), 0))
+                item = self._next_item()
             except queue.Empty:
                 return  # the deadline passed; the call's own deadline fails both sides
             if item is None:
                 return
             if isinstance(item, int):
+                layers = self._ready_run(item)
                 self.status.advance(TransferState.TRANSFERRING)
-                with self._blocks_lock:
-                    if self._blocks_released or self._cancelled.is_set() or self.slots is None:
-                        return
-                    try:
-                        chunks = list(
-                            plane.send_layer(
-                                item, self.kv_caches[item], self.slots, self._write_deadline
-                            )
-                        )
-                    except Exception as e:  # end the stream; _run reports this cause
-                        self._local_error = (
-                            e
-                            if isinstance(e, TransferError)
-                            else TransferError(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
-                        )
-                        return
-                self.nbytes += self.layout.layer_nbytes(self.ticket.num_tokens)
-                for c in chunks:
-                    yield pb.KVChunk(layer=c)
+                if not (yield from self._send(plane, layers)):
+                    return
+                self.nbytes += len(layers) * self.layout.layer_nbytes(self.ticket.num_tokens)
                 continue
             first_token, logprobs, extras = item
             try:
@@ -243,14 +236,55 @@ class OutboundTransfer:
                     FailureCause.PEER_LOST, f"{type(e).__name__}: {e}"
                 )
                 return
-            yield pb.KVChunk(
-                trailer=pb.Trailer(
-                    first_token=first_token_to_proto(first_token, logprobs),
-                    extras=[tensor_to_proto(k, v) for k, v in extras.items()],
-                    first_token_unix=self.first_token_unix,
-                )
+            trailer = pb.Trailer(
+                first_token=first_token_to_proto(first_token, logprobs),
+                extras=[tensor_to_proto(k, v) for k, v in extras.items()],
+                first_token_unix=self.first_token_unix,
             )
+            yield pb.KVChunk(trailer=trailer).SerializeToString()
             return
+
+    def _next_item(self) -> int | _Trailer | None:
+        if self._held:
+            return self._held.pop()
+        return self._items.get(timeout=max(self.status.remaining(), 0))
+
+    def _ready_run(self, first: int) -> range:
+        """`first` and the layers queued right behind it: they go out together."""
+        end = first + 1
+        while not self._held:
+            try:
+                item = self._items.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, int) and item == end:
+                end += 1
+            else:
+                self._held.append(item)
+        return range(first, end)
+
+    def _send(self, plane: DataPlane, layers: range) -> Generator[bytes, None, bool]:
+        """The plane's messages for `layers`, each made with the source blocks held; returns
+        False when the stream must end (released blocks, a cancel, or an error)."""
+        if self.slots is None:  # layer_ready() refuses this
+            return False
+        messages = plane.send_layers(layers, self.kv_caches, self.slots, self._write_deadline)
+        while True:
+            with self._blocks_lock:
+                if self._blocks_released or self._cancelled.is_set():
+                    return False
+                try:
+                    message = next(messages, None)
+                except Exception as e:  # end the stream; _run reports this cause
+                    self._local_error = (
+                        e
+                        if isinstance(e, TransferError)
+                        else TransferError(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
+                    )
+                    return False
+            if message is None:
+                return True
+            yield message
 
 
 class KVSender:
@@ -266,7 +300,7 @@ class KVSender:
         model_fingerprint: str,
         host: str = "127.0.0.1",
         channel: str = "auto",
-        chunk_bytes: int = 1 << 20,
+        chunk_bytes: int = 4 << 20,
         max_pairs: int = 8,
         pair_idle_s: float = 300.0,
         pair_setup_timeout_s: float = 10.0,
@@ -333,14 +367,24 @@ class KVSender:
                 log.warning("no %s pair with %s (%s); using gRPC", backend, ticket.endpoint, e)
         return GrpcPlane(self.chunk_bytes)
 
-    def stub(self, endpoint: str) -> pb_grpc.KVTransferStub:
+    def _channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(endpoint)
             if channel is None:
                 channel = self._channels[endpoint] = grpc.insecure_channel(
                     endpoint, options=GRPC_OPTIONS
                 )
-        return pb_grpc.KVTransferStub(channel)
+        return channel
+
+    def stub(self, endpoint: str) -> pb_grpc.KVTransferStub:
+        return pb_grpc.KVTransferStub(self._channel(endpoint))
+
+    def push_method(self, endpoint: str) -> grpc.StreamStreamMultiCallable:
+        """Push with the requests already serialized (`wire.layer_message`): the stub's would
+        serialize them again."""
+        return self._channel(endpoint).stream_stream(
+            PUSH_METHOD, request_serializer=None, response_deserializer=pb.PushReply.FromString
+        )
 
     def _open_remote(
         self, endpoint: str, pair_id: str, backend: str, timeout_s: float

@@ -75,14 +75,16 @@ class TransferHeader(_message.Message):
     def __init__(self, request_key: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., pair_id: _Optional[str] = ..., tag_base: _Optional[int] = ...) -> None: ...
 
 class LayerChunk(_message.Message):
-    __slots__ = ("layer", "offset", "data")
+    __slots__ = ("layer", "offset", "data", "num_layers")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     offset: int
     data: bytes
-    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    num_layers: int
+    def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

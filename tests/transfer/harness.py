@@ -215,11 +215,12 @@ class _Recorder(DataPlane):
     def fill_header(self, header: pb.TransferHeader) -> None:
         self.inner.fill_header(header)
 
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        self.sent[layer] = gather_tokens(cache, slots)  # read as the plane reads: blocks held
-        yield from self.inner.send_layer(layer, cache, slots, deadline)
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        for layer in layers:  # read as the plane reads: blocks held
+            self.sent[layer] = gather_tokens(kv_caches[layer], slots)
+        yield from self.inner.send_layers(layers, kv_caches, slots, deadline)
 
     def flush(self, timeout_s: float) -> None:
         self.inner.flush(timeout_s)

@@ -21,6 +21,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.planes import DataPlane
 from kv_transfer.state import TransferStatus
+from kv_transfer.wire import layer_message, parse_chunk
 from tandem.v1 import kv_transfer_pb2 as pb
 
 CPU = torch.device("cpu")
@@ -79,7 +80,8 @@ def test_copy_and_gather_scatter_paths_agree(
     src = torch.randn(2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(2))
     src_slots = slot_mapping(src_blocks, 4, n, CPU)
     expected = src.view(2, -1, 2, 8)[:, src_slots]  # [2, n, heads, dim]
-    assert torch.equal(gather_tokens(src, src_slots), expected)
+    wire = gather_tokens(src, src_slots)
+    assert torch.equal(wire, expected) and wire.is_contiguous()  # a pair sends it as it is
 
     num_dst_blocks = 32 // dst_block_size
     dst_slots = slot_mapping(dst_blocks, dst_block_size, n, CPU)
@@ -253,11 +255,11 @@ class ListPlane(DataPlane):
     def fill_header(self, header: pb.TransferHeader) -> None:
         header.pair_id = "from-inner"
 
-    def send_layer(
-        self, layer: int, cache: torch.Tensor, slots: torch.Tensor, deadline: float
-    ) -> Iterator[pb.LayerChunk]:
-        self.sent.append(layer)
-        yield pb.LayerChunk(layer=layer)
+    def send_layers(
+        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+    ) -> Iterator[bytes]:
+        self.sent.extend(layers)
+        yield layer_message(layers.start, num_layers=len(layers))
 
     def flush(self, timeout_s: float) -> None:
         self.flushed = True
@@ -271,9 +273,9 @@ def test_faulty_plane_runs_its_hook_before_the_inner_plane() -> None:
     header = pb.TransferHeader()
     plane.fill_header(header)
     assert header.pair_id == "from-inner"
-    cache, slots = paged(1, 4), torch.arange(2)
-    chunks = [c for layer in range(3) for c in plane.send_layer(layer, cache, slots, float("inf"))]
-    assert [c.layer for c in chunks] == [0, 1, 2]
+    caches, slots = [paged(1, 4)] * 3, torch.arange(2)
+    chunks = [parse_chunk(m)[0].layer for m in plane.send_layers(range(3), caches, slots, 1e9)]
+    assert [(c.layer, c.num_layers) for c in chunks] == [(0, 1), (1, 1), (2, 1)]
     assert seen == [(0, []), (1, [0]), (2, [0, 1])]
     plane.flush(1.0)
     assert inner.flushed
