@@ -197,6 +197,8 @@ class DecodeWorker(EngineLoop):
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
             self.transfer_metrics.success(a.nbytes, a.seconds, a.data_plane, exposed)
             req = scheduler.remote_kv_arrived(rid, a.first_token)
+            if self.engine.proposer is not None and not req.status.finished:
+                self.engine.proposer.adopt_state(rid, a.extras)
             self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
             return
         assert a.error is not None

@@ -134,15 +134,24 @@ def first_token_from_proto(msg: pb.FirstToken) -> tuple[int, TokenLogprobs | Non
     )
 
 
+# dtypes of the trailer's `extras` (a proposer's state: float hidden states, integer positions)
+TENSOR_DTYPES = DTYPES | {"int64": torch.int64, "int32": torch.int32}
+_TENSOR_DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+
+
 def tensor_to_proto(name: str, tensor: torch.Tensor) -> pb.NamedTensor:
-    names = {v: k for k, v in DTYPES.items()}
+    if tensor.dtype not in _TENSOR_DTYPE_NAMES:
+        raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} is not one of {TENSOR_DTYPES}")
     cpu = tensor.detach().to("cpu").contiguous()
     return pb.NamedTensor(
-        name=name, dtype=names[cpu.dtype], shape=list(cpu.shape), data=bytes(as_bytes(cpu))
+        name=name,
+        dtype=_TENSOR_DTYPE_NAMES[cpu.dtype],
+        shape=list(cpu.shape),
+        data=bytes(as_bytes(cpu)),
     )
 
 
 def tensor_from_proto(msg: pb.NamedTensor) -> torch.Tensor:
-    if msg.dtype not in DTYPES:
+    if msg.dtype not in TENSOR_DTYPES:
         raise ValueError(f"tensor {msg.name!r}: unknown dtype {msg.dtype!r}")
-    return from_bytes(bytearray(msg.data), DTYPES[msg.dtype], tuple(msg.shape))
+    return from_bytes(bytearray(msg.data), TENSOR_DTYPES[msg.dtype], tuple(msg.shape))

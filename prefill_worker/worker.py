@@ -130,7 +130,7 @@ class PrefillWorker(EngineLoop):
                 transfer.set_source(self.engine.kv_cache.block_table(req.request_id))
                 transfer.all_layers_ready()
             self._prefill_done[req.request_id] = now
-            transfer.finish(d.new_token_ids[0], d.logprobs[0] if d.logprobs else None)
+            transfer.finish(d.new_token_ids[0], d.logprobs[0] if d.logprobs else None, d.handover)
 
     def before_step(self) -> None:
         for transfer in self.sender.poll():

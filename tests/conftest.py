@@ -44,6 +44,27 @@ TINY_LLAMA = dict(
 
 
 @pytest.fixture(scope="session")
+def tiny_eagle_path(tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path) -> Path:
+    """A random EAGLE head (seed 0) for the tiny model, saved in our layout (`save_eagle`)."""
+    from dataclasses import replace
+
+    from tandem.engine.attention import TorchSDPABackend
+    from tandem.engine.models import load_model
+    from tandem.engine.spec.eagle import EagleHead, save_eagle
+    from tandem.engine.spec.heads import base_model_fields
+
+    cpu, block_size = torch.device("cpu"), 16
+    target = load_model(tiny_llama_path, TorchSDPABackend, block_size, torch.float32, cpu)
+    cfg = replace(target.cfg, num_layers=1)
+    backend = TorchSDPABackend(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
+    torch.manual_seed(0)
+    head = EagleHead(cfg, backend, True, cfg.max_position_embeddings, torch.float32, cpu)
+    path = tmp_path_factory.mktemp("eagle")
+    save_eagle(head, path, base_model_fields(str(tiny_llama_path), target))
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_kwargs() -> dict[str, int]:
     """The shape of the tiny random models (LlamaConfig/Qwen2Config/Qwen3Config keywords)."""
     return dict(TINY_LLAMA)

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tandem.cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision
 from tandem.cluster.signals import ClusterSignals
 from tandem.config import EngineConfig
+from tandem.engine.spec.factory import prefill_speculative
 from tandem.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class WorkerActor:
         if role == "decode":
             options.update(spec.decode_engine)
         speculative = options.pop("speculative", None)
+        if role == "prefill":
+            speculative = prefill_speculative(spec.decode_engine.get("speculative", speculative))
         config = EngineConfig.create(spec.model, speculative, **options)
         if role == "prefill":
             from prefill_worker.server import build_server as build_prefill

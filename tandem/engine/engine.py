@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+from torch import Tensor
 
 from tandem import hub
 from tandem.config import EngineConfig
@@ -39,6 +40,8 @@ class RequestDelta:
     request: Request
     new_token_ids: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # A prompt handed over (FINISHED_PREFILLED): the proposer's state for the decode side.
+    handover: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -188,7 +191,10 @@ class EngineCore:
             stats.propose_seconds += time.perf_counter() - start
             for delta in deltas:  # after proposing: the step's hidden states still cover them
                 if delta.finished:
-                    self.proposer.release(delta.request.request_id)
+                    rid = delta.request.request_id
+                    if delta.request.status == RequestStatus.FINISHED_PREFILLED:
+                        delta.handover = self.proposer.handover_state(rid)
+                    self.proposer.release(rid)
         return deltas
 
     def _layer_hook(self, out: SchedulerOutput) -> Callable[[int], None] | None:

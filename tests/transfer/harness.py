@@ -252,8 +252,10 @@ class _RecordingDecodeWorker(DecodeWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.received: dict[str, list[torch.Tensor]] = {}
+        self.extras: dict[str, dict[str, tuple[int, ...]]] = {}  # request -> name -> shape
 
     def _arrived(self, a: Arrival) -> None:
+        self.extras[a.request_key] = {name: tuple(t.shape) for name, t in a.extras.items()}
         req = self.engine.scheduler.parked.get(a.request_key)
         if a.state == TransferState.SUCCESS and req is not None:
             table = self.engine.kv_cache.block_table(a.request_key)
@@ -411,6 +413,10 @@ class _Host:
 
     def received(self, name: str, rid: str) -> list[torch.Tensor]:
         return self._get(name, _RecordingDecodeWorker).received[rid]
+
+    def extras(self, name: str, rid: str) -> dict[str, tuple[int, ...]]:
+        """The shapes of the proposer state that arrived with the request's KV."""
+        return self._get(name, _RecordingDecodeWorker).extras[rid]
 
     def cancel(self, name: str, rid: str) -> None:
         worker = self._get(name, DecodeWorker)

@@ -1,5 +1,6 @@
 """A prefill worker and a decode worker in two processes: the KV that arrives is the KV that was
-sent, byte for byte, and decoding from it gives the colocated engine's greedy tokens exactly."""
+sent, byte for byte, and decoding from it gives the colocated engine's greedy tokens exactly;
+with EAGLE on both sides, the prompt's hidden states come along."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from harness import WorkerProcess
+
+from tandem.engine.spec.eagle import FIRST_POSITION, HIDDEN_STATES
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(120)]
 
@@ -77,3 +80,24 @@ def test_smollm2_greedy_tokens_on_every_plane(
     for channel in ("pair", "grpc", "shm"):
         prefill_proc.call("use_sender", "p", channel)
         assert disaggregated(prefill_proc, decode_proc, prompts, channel) == want, channel
+
+
+def test_eagle_hidden_states_move_with_the_kv(
+    tiny_llama_path: Path,
+    tiny_eagle_path: Path,
+    prefill_proc: WorkerProcess,
+    decode_proc: WorkerProcess,
+) -> None:
+    model = str(tiny_llama_path)
+    spec = {"method": "eagle", "path": str(tiny_eagle_path), "num_speculative_tokens": 3}
+    prefill_proc.call("prefill_worker", "p", model, "grpc", num_blocks=64, speculative=spec)
+    decode_proc.call("decode_worker", "d", model, num_blocks=64, speculative=spec)
+    prompts = prompts_of([9, 40], vocab=256)
+    got = disaggregated(prefill_proc, decode_proc, prompts, "grpc")
+    assert got == decode_proc.call("colocated", model, prompts, MAX_TOKENS)
+    hidden_size = 64  # the tiny model's
+    for i, prompt in enumerate(prompts):
+        assert decode_proc.call("extras", "d", f"grpc-{i}") == {
+            HIDDEN_STATES: (len(prompt), hidden_size),
+            FIRST_POSITION: (1,),
+        }

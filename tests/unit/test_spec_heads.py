@@ -20,6 +20,7 @@ from rich.console import Console
 from safetensors.torch import save_file
 from torch import Tensor
 
+from kv_transfer.wire import tensor_from_proto, tensor_to_proto
 from tandem.config import EngineConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.attention import (
@@ -31,7 +32,16 @@ from tandem.engine.attention import (
 from tandem.engine.engine import EngineCore
 from tandem.engine.models import load_model
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.spec.eagle import EagleHead, EagleProposer, load_eagle, save_eagle
+from tandem.engine.request import Request, RequestStatus
+from tandem.engine.scheduler import Role
+from tandem.engine.spec.eagle import (
+    FIRST_POSITION,
+    HIDDEN_STATES,
+    EagleHead,
+    EagleProposer,
+    load_eagle,
+    save_eagle,
+)
 from tandem.engine.spec.heads import base_model_fields, hf_config
 from tandem.engine.spec.medusa import MedusaHeads, load_medusa, save_medusa
 from tandem.engine.spec.train import TrainConfig, train
@@ -145,6 +155,50 @@ def test_greedy_output_equals_plain_decoding(
     # head gets no hidden states for them (as on a decode worker).
     assert run(engine, batch, GREEDY, tag="again") == plain
     assert engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+class _HandOver(Role):
+    """A prefill worker's role, without its transfer."""
+
+    def hands_over_after_first_token(self, request: Request) -> bool:
+        return True
+
+
+def test_eagle_prompt_state_hands_over_as_if_computed_on_the_decode_side(
+    tiny_llama_path: Path, head_dirs: dict[str, Path]
+) -> None:
+    """The hidden states a prefill engine hands over (through the KV transfer's tensor
+    encoding) give a decode-side proposer exactly the drafts of an engine that computed the
+    prompt itself."""
+    spec = {"method": "eagle", "path": str(head_dirs["eagle"]), "num_speculative_tokens": 3}
+    prompt = prompts(3, [23])[0]
+    colocated = make(tiny_llama_path, spec)
+    req = colocated.add_request("r", prompt, GREEDY)
+    colocated.step()  # the prompt, its first token, and the drafts of the next step
+    k = len(req.spec_token_ids)  # as many as the adaptive schedule allowed
+    assert k > 0
+
+    config = EngineConfig.create(
+        str(tiny_llama_path), speculative=spec, num_blocks=256, block_size=BLOCK_SIZE
+    )
+    prefill = EngineCore(config, _HandOver())
+    prefill.add_request("r", prompt, GREEDY)
+    (delta,) = prefill.step()
+    assert delta.request.status == RequestStatus.FINISHED_PREFILLED
+    assert delta.new_token_ids == req.output_token_ids
+    assert not prefill.proposer._seqs  # released here once handed over
+    prefill.abort("r", RequestStatus.FINISHED_PREFILLED)
+    state = {k: tensor_from_proto(tensor_to_proto(k, v)) for k, v in delta.handover.items()}
+    assert state[HIDDEN_STATES].shape == (len(prompt), colocated.model.cfg.hidden_size)
+    assert state[FIRST_POSITION].tolist() == [0]
+
+    decode = make(tiny_llama_path, spec).proposer
+    assert isinstance(decode, EagleProposer)
+    decode.adopt_state("r", {HIDDEN_STATES: torch.zeros(4, 3), FIRST_POSITION: torch.tensor([0])})
+    assert not decode._seqs  # another hidden size: ignored
+    decode.adopt_state("r", state)
+    (draft,) = decode.propose([(req, k)])
+    assert draft.token_ids == req.spec_token_ids
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])

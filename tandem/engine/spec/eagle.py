@@ -26,8 +26,14 @@ Request state (created at the first step that computes the request, dropped by `
 A preemption changes none of it (the head's KV is its own, and recomputed positions hold the same
 tokens): rows already consumed are ignored when the recompute hands them over again.
 
-Missing prefix: on a decode worker the prompt's KV arrives from the prefill worker without its
-hidden states, and a prefix-cache hit skips computing (so seeing) the cached blocks. The head's
+Handover: on a decode worker the prompt's KV arrives from the prefill worker, which computed the
+prompt; when that worker runs the same proposer, it sends the prompt's hidden states along
+(`handover_state`, in the transfer's trailer) and the context starts as if the prompt had been
+computed here (`adopt_state`; the catch-up writes the head's KV at the first draft).
+
+Missing prefix: without a handover (a prefill worker without the head, a prompt longer than
+MAX_HANDOVER_POSITIONS) the prompt's hidden states are missing, and a prefix-cache hit skips
+computing (so seeing) the cached blocks. The head's
 context then starts at the first position it has a hidden state for (base > 0): its attention
 sees the positions from there on, while each h_j still carries the whole prompt through the
 target's own attention. The acceptance this costs is measured in docs/engine.md.
@@ -53,6 +59,7 @@ EAGLE-3 heads (`midlayer.*`, a draft vocabulary) are refused. Tree drafts are no
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +89,8 @@ from tandem.engine.spec.heads import (
     warn_if_other_model,
 )
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
+
+log = logging.getLogger(__name__)
 
 
 class _NoInputNorm(nn.Module):
@@ -230,6 +239,13 @@ class _Job:
         return self.feature
 
 
+# What a prefill worker hands over with a prompt (`handover_state`): the target's hidden states
+# of positions [first, first + n), [n, hidden_size], and first as a [1] tensor.
+HIDDEN_STATES = "eagle.hidden_states"
+FIRST_POSITION = "eagle.first_position"
+MAX_HANDOVER_POSITIONS = 8192  # ~19 MB at SmolLM2's float32 hidden size; the trailer holds 64 MB
+
+
 class EagleProposer(Proposer):
     needs_hidden_states = True
 
@@ -276,6 +292,29 @@ class EagleProposer(Proposer):
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
         self.kv_cache.free(request_id)
+
+    def handover_state(self, request_id: str) -> dict[str, Tensor]:
+        """The prompt's hidden states (the last MAX_HANDOVER_POSITIONS of them)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.done != seq.base or not len(seq.pending):
+            return {}
+        states = seq.pending[-MAX_HANDOVER_POSITIONS:]
+        first = seq.done + len(seq.pending) - len(states)
+        return {HIDDEN_STATES: states, FIRST_POSITION: torch.tensor([first])}
+
+    def adopt_state(self, request_id: str, state: dict[str, Tensor]) -> None:
+        """Start the request's context at the prefill worker's hidden states, as if this engine
+        had computed the prompt (nothing else is checked against them: a wrong shape is
+        ignored, and the context then starts at the first decoded position)."""
+        states, first = state.get(HIDDEN_STATES), state.get(FIRST_POSITION)
+        if states is None or first is None:
+            return
+        if states.dim() != 2 or states.shape[1] != self.head.cfg.hidden_size or first.numel() != 1:
+            log.warning("ignoring EAGLE hidden states of shape %s", tuple(states.shape))
+            return
+        position = int(first.item())
+        self.kv_cache.free(request_id)
+        self._seqs[request_id] = _Seq(position, position, states.to(self.device))
 
     def _absorb(self, hidden: StepHidden) -> None:
         """Buffer the step's target states of every request it computed."""

@@ -14,6 +14,19 @@ from tandem.engine.spec.medusa import MedusaProposer, load_medusa
 from tandem.engine.spec.ngram import NgramProposer
 from tandem.engine.spec.proposer import Proposer
 
+# Methods whose proposer hands a prompt's state from the prefill worker that computed it to the
+# decode worker (`Proposer.handover_state`): prefill workers run them too.
+HANDOVER_METHODS = ("eagle",)
+
+
+def prefill_speculative(decode_speculative: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A prefill worker's `speculative` options when its decode workers use
+    `decode_speculative`: the same for a method in HANDOVER_METHODS, else none (a prefill
+    worker drafts nothing)."""
+    if decode_speculative and decode_speculative.get("method") in HANDOVER_METHODS:
+        return decode_speculative
+    return None
+
 
 def make_proposer(
     spec: SpecConfig, runner: Any, kv_cache: KVCacheManager, settings: ModelSettings

@@ -8,6 +8,11 @@ speculative sampling; None means one-hot drafts, as from n-gram lookup or a gree
 Model-based proposers may need the target's final hidden states of the step that just ran
 (Medusa, EAGLE): they set `needs_hidden_states` and receive a `StepHidden` covering every request
 the step computed (prefill chunks included), after every step, even one with nothing to draft.
+
+Disaggregated, a prompt is computed on a prefill worker and decoded on a decode worker; a
+proposer that needs state of the prompt (EAGLE: its hidden states) hands it over
+(`handover_state` on the prefill side, `adopt_state` on the decode side, through the KV
+transfer's trailer).
 """
 
 from __future__ import annotations
@@ -71,3 +76,12 @@ class Proposer(ABC):
 
     def release(self, request_id: str) -> None:  # noqa: B027 - a hook; stateless proposers skip it
         """The request left the engine (finished, aborted or handed over): drop its state."""
+
+    def handover_state(self, request_id: str) -> dict[str, Tensor]:
+        """What a decode worker's proposer needs of a prompt this engine computed for it (a
+        prefill worker), sent with the first token to its `adopt_state`; {}: nothing."""
+        return {}
+
+    def adopt_state(self, request_id: str, state: dict[str, Tensor]) -> None:  # noqa: B027
+        """A request's prompt KV arrived from a prefill worker with that worker's
+        `handover_state` (maybe {} or another proposer's: then ignore it)."""
