@@ -50,7 +50,14 @@ MIN_VIEW_RUN = 4
 # the GIL while it copies (~1.4x on 2 cores for a shared-memory transfer, measured).
 COPY_THREADS = min(4, os.cpu_count() or 1)
 PARALLEL_BYTES = 1 << 20
-_copiers = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="kv-copy")
+_copiers: dict[int, ThreadPoolExecutor] = {}  # by process id: a forked child makes its own
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    pool = _copiers.get(os.getpid())
+    if pool is None:
+        pool = _copiers[os.getpid()] = ThreadPoolExecutor(COPY_THREADS, "kv-copy")
+    return pool
 
 
 def rows_of(cache: torch.Tensor, slots_per_row: int = 1) -> np.ndarray:
@@ -96,9 +103,11 @@ def _indexed_copy(
         dst[dst_index[at]] = src[at] if src_index is None else src[src_index[at]]
 
     n = len(dst_index)
-    parts = COPY_THREADS if n * dst.dtype.itemsize >= PARALLEL_BYTES else 1
-    bounds = [n * i // parts for i in range(parts + 1)]
-    list(_copiers.map(part, [slice(a, b) for a, b in itertools.pairwise(bounds)]))
+    if COPY_THREADS == 1 or n * dst.dtype.itemsize < PARALLEL_BYTES:
+        part(slice(0, n))
+        return
+    bounds = [n * i // COPY_THREADS for i in range(COPY_THREADS + 1)]
+    list(_copy_pool().map(part, [slice(a, b) for a, b in itertools.pairwise(bounds)]))
 
 
 def _put(rows: np.ndarray, index: np.ndarray, src: np.ndarray) -> None:

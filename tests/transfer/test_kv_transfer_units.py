@@ -3,6 +3,7 @@ tickets on the wire, and the fault-injecting plane."""
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from collections.abc import Iterator
 
@@ -92,6 +93,29 @@ def test_copy_and_gather_scatter_paths_agree(
         assert torch.equal(gather_tokens(dst, dst_slots), expected)
         others = [b for b in range(num_dst_blocks) if b not in dst_blocks]
         assert int(dst[:, others].count_nonzero()) == 0  # nothing outside the reservation
+
+
+@pytest.mark.usefixtures("one_thread")  # torch's own OpenMP team does not survive a fork
+def test_parallel_copies_run_in_a_forked_child_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copy threads belong to a process: a child forked after a parallel copy makes its own
+    (the parent's pool would take its work and never run it)."""
+    monkeypatch.setattr(layout, "MAX_SLICE_RUNS", 0)
+    monkeypatch.setattr(layout, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(layout, "COPY_THREADS", 2)
+    n = 4096  # long enough that the parent's copy starts both threads
+    wire = torch.randn(2, n, 2, 8, generator=torch.Generator().manual_seed(3))
+    slots = slot_mapping(list(range(n // 4 - 1, -1, -1)), 4, n, CPU)
+
+    def copy() -> None:
+        cache = paged(n // 4, 4)
+        scatter_tokens(cache, slots, wire)
+        assert torch.equal(gather_tokens(cache, slots), wire)
+
+    copy()
+    child = multiprocessing.get_context("fork").Process(target=copy)
+    child.start()
+    child.join(20)
+    assert child.exitcode == 0
 
 
 @pytest.mark.parametrize(
