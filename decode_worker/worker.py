@@ -199,6 +199,7 @@ class DecodeWorker(EngineLoop):
             req = scheduler.remote_kv_arrived(rid, a.first_token)
             if self.engine.proposer is not None and not req.status.finished:
                 self.engine.proposer.adopt_state(rid, a.extras)
+                self.engine.propose_for([req])  # its first decode step verifies drafts too
             self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
             return
         assert a.error is not None

@@ -211,13 +211,24 @@ class EngineCore:
         ]
         return (lambda layer: role.prompt_layer_computed(layer, done)) if done else None
 
-    def _propose(self, proposer: Proposer, hidden: StepHidden | None) -> None:
-        """Drafts for the running requests' next step: as many as each one's acceptance and the
-        batch size warrant, never past max_tokens or the context; none for a prefill chunk."""
+    def propose_for(self, requests: list[Request]) -> None:
+        """Drafts for requests that joined the running batch decoding (a decode worker's
+        arrivals), as the step that computed their prompt makes them on a colocated engine."""
+        if self.proposer is not None:
+            start = time.perf_counter()
+            self._propose(self.proposer, None, requests)
+            self.scheduler.spec_stats.propose_seconds += time.perf_counter() - start
+
+    def _propose(
+        self, proposer: Proposer, hidden: StepHidden | None, requests: list[Request] | None = None
+    ) -> None:
+        """Drafts for the next step of the running requests (or of `requests`): as many as each
+        one's acceptance and the batch size warrant, never past max_tokens or the context; none
+        for a prefill chunk."""
         spec = self.config.spec
         running = self.scheduler.running
         batch: list[tuple[Request, int]] = []
-        for req in running:
+        for req in running if requests is None else requests:
             req.spec_token_ids, req.spec_draft_probs = [], None
             if not req.speculative or req.num_tokens - req.num_computed_tokens != 1:
                 continue

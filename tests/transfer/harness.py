@@ -414,6 +414,11 @@ class _Host:
     def received(self, name: str, rid: str) -> list[torch.Tensor]:
         return self._get(name, _RecordingDecodeWorker).received[rid]
 
+    def spec_counts(self, name: str) -> tuple[int, int, int]:
+        """A worker's (drafts, draft tokens, accepted tokens) so far."""
+        stats = self._get(name, DecodeWorker).engine.scheduler.spec_stats
+        return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+
     def extras(self, name: str, rid: str) -> dict[str, tuple[int, ...]]:
         """The shapes of the proposer state that arrived with the request's KV."""
         return self._get(name, _RecordingDecodeWorker).extras[rid]

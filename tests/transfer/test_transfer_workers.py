@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import WorkerProcess
+from harness import WorkerProcess, greedy
 
+from tandem.config import EngineConfig
+from tandem.engine.engine import EngineCore
 from tandem.engine.spec.eagle import FIRST_POSITION, HIDDEN_STATES
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(120)]
@@ -88,16 +90,23 @@ def test_eagle_hidden_states_move_with_the_kv(
     prefill_proc: WorkerProcess,
     decode_proc: WorkerProcess,
 ) -> None:
+    """With them, the decode worker drafts and accepts exactly as a colocated engine does."""
     model = str(tiny_llama_path)
     spec = {"method": "eagle", "path": str(tiny_eagle_path), "num_speculative_tokens": 3}
     prefill_proc.call("prefill_worker", "p", model, "grpc", num_blocks=64, speculative=spec)
     decode_proc.call("decode_worker", "d", model, num_blocks=64, speculative=spec)
-    prompts = prompts_of([9, 40], vocab=256)
+    prompts = prompts_of([40], vocab=256)  # one: the batch size sets how many drafts
     got = disaggregated(prefill_proc, decode_proc, prompts, "grpc")
-    assert got == decode_proc.call("colocated", model, prompts, MAX_TOKENS)
-    hidden_size = 64  # the tiny model's
-    for i, prompt in enumerate(prompts):
-        assert decode_proc.call("extras", "d", f"grpc-{i}") == {
-            HIDDEN_STATES: (len(prompt), hidden_size),
-            FIRST_POSITION: (1,),
-        }
+    assert decode_proc.call("extras", "d", "grpc-0") == {
+        HIDDEN_STATES: (40, 64),  # the prompt's positions x the tiny model's hidden size
+        FIRST_POSITION: (1,),
+    }
+    colocated = EngineCore(EngineConfig.create(model, speculative=spec, num_blocks=64))
+    req = colocated.add_request("r", prompts[0], greedy(MAX_TOKENS))
+    while colocated.has_unfinished():
+        colocated.step()
+    assert got == [req.output_token_ids]
+    stats = colocated.scheduler.spec_stats
+    counts = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    assert decode_proc.call("spec_counts", "d") == counts
+    assert counts[1] > 0
