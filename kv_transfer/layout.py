@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -148,31 +149,40 @@ def wire_pieces(cache: torch.Tensor, slots: torch.Tensor) -> list[memoryview]:
     return [as_bytes(gather_tokens(cache, slots).cpu())]
 
 
-def copy_tokens(
+def plan_copy(
     src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor
-) -> None:
-    """One layer's KV from `src_slots` of `src` into `dst_slots` of `dst` (another cache, e.g. a
-    decode worker's shared memory) without a wire tensor where the slots allow; the last block
-    of a block-wise copy is copied whole (its tail slots belong to the same reservation and are
-    not read before they are written)."""
+) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A copy of the KV of `src_slots` into `dst_slots` between two caches shaped as `src` and
+    `dst` (one layer each; e.g. the prefill cache and a decode worker's shared memory), planned
+    once for every layer of a transfer: call it with each (source layer, destination layer).
+
+    It needs no wire tensor where the slots allow; the last block of a block-wise copy is copied
+    whole (its tail slots belong to the same reservation and are not read before they are
+    written)."""
     if src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype:
-        scatter_tokens(dst, dst_slots, gather_tokens(src, src_slots))
-        return
+        return lambda s_layer, d_layer: scatter_tokens(
+            d_layer, dst_slots, gather_tokens(s_layer, src_slots)
+        )
     s = kv_rows(src_slots, src.shape[1] * src.shape[2])
     d = kv_rows(dst_slots, dst.shape[1] * dst.shape[2])
-    src_rows, dst_rows = rows_of(src), rows_of(dst)
     runs = np.union1d(row_runs(s), row_runs(d))
     if len(runs) - 1 <= MAX_SLICE_RUNS:
-        for a, b in itertools.pairwise(runs):
-            dst_rows[d[a] : d[a] + b - a] = src_rows[s[a] : s[a] + b - a]
-        return
+        slices = [(s[a], d[a], b - a) for a, b in itertools.pairwise(runs)]
+
+        def copy_slices(s_layer: torch.Tensor, d_layer: torch.Tensor) -> None:
+            src_rows, dst_rows = rows_of(s_layer), rows_of(d_layer)
+            for at, to, n in slices:
+                dst_rows[to : to + n] = src_rows[at : at + n]
+
+        return copy_slices
     block_size = src.shape[2]
     if dst.shape[2] == block_size:  # aligned: slot tables start at a block's first slot
         sb = kv_rows(src_slots[::block_size] // block_size, src.shape[1])
         db = kv_rows(dst_slots[::block_size] // block_size, dst.shape[1])
-        _indexed_copy(rows_of(dst, block_size), db, rows_of(src, block_size), sb)
-        return
-    _indexed_copy(dst_rows, d, src_rows, s)
+        return lambda s_layer, d_layer: _indexed_copy(
+            rows_of(d_layer, block_size), db, rows_of(s_layer, block_size), sb
+        )
+    return lambda s_layer, d_layer: _indexed_copy(rows_of(d_layer), d, rows_of(s_layer), s)
 
 
 def scatter_tokens(cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.distributed import Work
 
-from kv_transfer.layout import copy_tokens, gather_tokens, row_nbytes, slot_mapping, wire_pieces
+from kv_transfer.layout import gather_tokens, plan_copy, row_nbytes, slot_mapping, wire_pieces
 from kv_transfer.pairs import WINDOW_BYTES, Pair, wait_done
 from kv_transfer.shm import SharedKVCache
 from kv_transfer.state import FailureCause, TransferError
@@ -120,15 +120,19 @@ class ShmPlane(DataPlane):
         self.dst_slots = slot_mapping(
             ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, torch.device("cpu")
         )
+        self._copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
     def send_layers(
         self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
+        targets = self.target.kv_caches
+        if self._copy is None:  # the same slots for every layer: planned once
+            self._copy = plan_copy(kv_caches[0], slots, targets[0], self.dst_slots)
         for layer in layers:
             # The fence: past the receiver's deadline its blocks may belong to another request.
             if time.monotonic() >= deadline:
                 raise TransferError(
                     FailureCause.TIMEOUT, "past the receiver's deadline: not writing"
                 )
-            copy_tokens(kv_caches[layer], slots, self.target.kv_caches[layer], self.dst_slots)
+            self._copy(kv_caches[layer], targets[layer])
         yield layer_message(layers.start, num_layers=len(layers))

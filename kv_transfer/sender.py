@@ -231,10 +231,8 @@ class OutboundTransfer:
             first_token, logprobs, extras = item
             try:
                 plane.flush(max(self.status.remaining(), 0))
-            except Exception as e:
-                self._local_error = TransferError(
-                    FailureCause.PEER_LOST, f"{type(e).__name__}: {e}"
-                )
+            except Exception as e:  # end the stream; _run reports this cause
+                self._local_error = _transfer_error(e)
                 return
             trailer = pb.Trailer(
                 first_token=first_token_to_proto(first_token, logprobs),
@@ -276,15 +274,18 @@ class OutboundTransfer:
                 try:
                     message = next(messages, None)
                 except Exception as e:  # end the stream; _run reports this cause
-                    self._local_error = (
-                        e
-                        if isinstance(e, TransferError)
-                        else TransferError(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
-                    )
+                    self._local_error = _transfer_error(e)
                     return False
             if message is None:
                 return True
             yield message
+
+
+def _transfer_error(e: Exception) -> TransferError:
+    """A plane's failure as the transfer's: its own TransferError, else a lost peer."""
+    if isinstance(e, TransferError):
+        return e
+    return TransferError(FailureCause.PEER_LOST, f"{type(e).__name__}: {e}")
 
 
 class KVSender:

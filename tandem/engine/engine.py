@@ -186,9 +186,7 @@ class EngineCore:
             stats = self.scheduler.spec_stats
             if verifying:
                 stats.verify_seconds += time.perf_counter() - start
-            start = time.perf_counter()
             self._propose(self.proposer, result.hidden)
-            stats.propose_seconds += time.perf_counter() - start
             for delta in deltas:  # after proposing: the step's hidden states still cover them
                 if delta.finished:
                     rid = delta.request.request_id
@@ -215,16 +213,15 @@ class EngineCore:
         """Drafts for requests that joined the running batch decoding (a decode worker's
         arrivals), as the step that computed their prompt makes them on a colocated engine."""
         if self.proposer is not None:
-            start = time.perf_counter()
             self._propose(self.proposer, None, requests)
-            self.scheduler.spec_stats.propose_seconds += time.perf_counter() - start
 
     def _propose(
         self, proposer: Proposer, hidden: StepHidden | None, requests: list[Request] | None = None
     ) -> None:
         """Drafts for the next step of the running requests (or of `requests`): as many as each
         one's acceptance and the batch size warrant, never past max_tokens or the context; none
-        for a prefill chunk."""
+        for a prefill chunk. Its time counts as the proposer's."""
+        start = time.perf_counter()
         spec = self.config.spec
         running = self.scheduler.running
         batch: list[tuple[Request, int]] = []
@@ -245,8 +242,8 @@ class EngineCore:
             k = min(k, room - 1)
             if k > 0:
                 batch.append((req, k))
-        if not batch and hidden is None:
-            return
-        drafts = proposer.propose(batch, hidden)
-        for (req, _), draft in zip(batch, drafts, strict=True):
-            req.spec_token_ids, req.spec_draft_probs = draft.token_ids, draft.probs
+        if batch or hidden is not None:
+            drafts = proposer.propose(batch, hidden)
+            for (req, _), draft in zip(batch, drafts, strict=True):
+                req.spec_token_ids, req.spec_draft_probs = draft.token_ids, draft.probs
+        self.scheduler.spec_stats.propose_seconds += time.perf_counter() - start

@@ -14,9 +14,9 @@ from kv_transfer import FailureCause, KVLayout, KVTicket, TransferError, Transfe
 from kv_transfer.fake import FaultyPlane, at_layer
 from kv_transfer.layout import (
     as_bytes,
-    copy_tokens,
     from_bytes,
     gather_tokens,
+    plan_copy,
     scatter_tokens,
     slot_mapping,
 )
@@ -87,7 +87,7 @@ def test_copy_and_gather_scatter_paths_agree(
     num_dst_blocks = 32 // dst_block_size
     dst_slots = slot_mapping(dst_blocks, dst_block_size, n, CPU)
     copied, scattered = paged(num_dst_blocks, dst_block_size), paged(num_dst_blocks, dst_block_size)
-    copy_tokens(src, src_slots, copied, dst_slots)
+    plan_copy(src, src_slots, copied, dst_slots)(src, copied)
     scatter_tokens(scattered, dst_slots, expected)
     for dst in (copied, scattered):
         assert torch.equal(gather_tokens(dst, dst_slots), expected)
