@@ -8,8 +8,9 @@ requantizes each row. Both quantized engines compute decode logits through an in
 
 - Perplexity of the reference answers of Spec-Bench dev questions (`../shared/data`), each after
   its chat-templated question: int8 within 1% of bfloat16, int4 within 5%.
-- Greedy output: the fraction of prompts whose first 16 tokens equal the bfloat16 engine's, printed;
-  at least half must.
+- Greedy output: the fraction of prompts (the first 4 of 6 categories) whose first 16 tokens
+  equal the bfloat16 engine's, printed; at least half must. (With 6 prompts the fraction moved by
+  a prompt whenever attention's rounding changed: bfloat16 greedy near-ties flip.)
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SPECBENCH = Path(__file__).resolve().parents[2] / "../shared/data/specbench_dev.
 # worked arithmetic, a translation, a physics answer, per category the first ones.
 PERPLEXITY_ANSWERS = {"math_reasoning": 3, "translation": 2, "stem": 1}
 GREEDY_CATEGORIES = ("qa", "writing", "coding", "math", "roleplay", "translation")
+GREEDY_PER_CATEGORY = 4
 GREEDY_TOKENS = 16
 MAX_PERPLEXITY_INCREASE = {"int8": 0.01, "int4": 0.05}
 
@@ -55,10 +57,11 @@ def answer_pairs() -> list[tuple[str, str]]:
 
 
 def greedy_prompts() -> list[str]:
-    first: dict[str, str] = {}
+    first: dict[str, list[str]] = {c: [] for c in GREEDY_CATEGORIES}
     for q in questions():
-        first.setdefault(q["category"], q["turns"][0])
-    return [first[c] for c in GREEDY_CATEGORIES]
+        if len(first.get(q["category"], [""] * GREEDY_PER_CATEGORY)) < GREEDY_PER_CATEGORY:
+            first[q["category"]].append(q["turns"][0])
+    return [p for c in GREEDY_CATEGORIES for p in first[c]]
 
 
 def perplexity(llm: LLM, prompt_logits: Callable[..., torch.Tensor]) -> float:

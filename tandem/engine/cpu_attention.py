@@ -1,0 +1,90 @@
+"""The compiled CPU kernel for short-query attention over the paged KV cache (`csrc/`).
+
+Decodes and speculative verifications read every request's whole context each step; gathering
+those blocks into a padded copy and running SDPA over it (`TorchSDPABackend`'s portable path)
+costs three passes over the context plus the padding, which at batch 16 of ~800-token prompts
+took most of a step. The kernel reads the blocks where they are, once for keys and once for
+values, and dequantizes int8 / fp8 slots as it reads them.
+
+It is built on first use with `torch.utils.cpp_extension` (gcc, ~1 minute, cached under
+`~/.cache/torch_extensions`; `make install` builds it). If it cannot be built, or with
+`TANDEM_CPU_ATTENTION=sdpa`, CPU attention stays on the portable path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+ENV = "TANDEM_CPU_ATTENTION"  # "sdpa" keeps CPU attention on the portable path
+MAX_BLOCK_SIZE = 64  # the kernel's `kMaxBlockSize`
+
+
+@functools.cache
+def kernel() -> ModuleType | None:
+    """The built extension, or None (switched off, or the build failed: logged once)."""
+    if os.environ.get(ENV, "kernel") == "sdpa":
+        return None
+    from torch.utils import cpp_extension
+
+    if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    try:
+        return cpp_extension.load(
+            "tandem_paged_attention",
+            [str(SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # a missing compiler or ninja: the portable path still works
+        log.warning("CPU paged-attention kernel unavailable (%s); attention uses SDPA", e)
+        return None
+
+
+def supports(kv_cache: torch.Tensor) -> bool:
+    """Whether the kernel runs attention over this layer's cache."""
+    return (
+        kv_cache.device.type == "cpu"
+        and kv_cache.shape[2] <= MAX_BLOCK_SIZE
+        and kernel() is not None
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads * head_dim], the requests' queries in order
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, slot_dim]
+    block_tables: torch.Tensor,  # [B, max_blocks] int64
+    context_lens: torch.Tensor,  # [B] int64
+    query_starts: torch.Tensor,  # [B + 1] int64: request b's queries are rows [s[b], s[b+1])
+    head_dim: int,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
+    ext = kernel()
+    assert ext is not None, "check supports() first"
+    out = ext.paged_attention(
+        q.float().contiguous(),
+        kv_cache[0],
+        kv_cache[1],
+        block_tables,
+        context_lens,
+        query_starts,
+        head_dim,
+        scale,
+    )
+    return out.to(q.dtype)
+
+
+if __name__ == "__main__":  # `python -m tandem.engine.cpu_attention`: build it now
+    print("CPU paged-attention kernel:", "ready" if kernel() is not None else "unavailable")

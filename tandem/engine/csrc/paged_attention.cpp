@@ -1,0 +1,300 @@
+// Short-query attention straight from the paged KV cache, on CPU.
+//
+// One call covers a step's decodes and speculative verifications: request b has query_lens[b]
+// query tokens at the end of its context_lens[b] tokens, whose keys and values sit in the
+// blocks block_tables[b]. The kernel reads those blocks where they are, once, keys and values
+// together (online softmax, float32 arithmetic): no block is gathered into a padded copy and no
+// mask is built. A row sees the keys at positions <= its own (causal within the query), and its
+// arithmetic does not depend on the query length, so a verified token scores as a decode would.
+
+// Cache slots: `head_dim` values in float32 / bfloat16 / float16, or `head_dim` int8 / e4m3
+// codes followed by the 4 bytes of their float32 scale (tandem/engine/kv_quant.py).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxBlockSize = 64;
+
+// One slot of `head_dim` values as float32.
+template <typename T>
+struct FloatSlot {
+  static void load(const T* slot, int64_t head_dim, float* out) {
+#pragma omp simd
+    for (int64_t e = 0; e < head_dim; ++e) out[e] = static_cast<float>(slot[e]);
+  }
+};
+
+// bfloat16 is the top half of a float32: widen the bits (vectorizes, unlike the class's cast).
+template <>
+struct FloatSlot<c10::BFloat16> {
+  static void load(const c10::BFloat16* slot, int64_t head_dim, float* out) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(slot);
+    uint32_t* wide = reinterpret_cast<uint32_t*>(out);
+#pragma omp simd
+    for (int64_t e = 0; e < head_dim; ++e) wide[e] = static_cast<uint32_t>(bits[e]) << 16;
+  }
+};
+
+// `head_dim` codes, then their float32 scale.
+template <typename T>
+struct QuantizedSlot {
+  static void load(const T* slot, int64_t head_dim, float* out) {
+    float scale;
+    std::memcpy(&scale, slot + head_dim, sizeof(float));
+#pragma omp simd
+    for (int64_t e = 0; e < head_dim; ++e) out[e] = static_cast<float>(slot[e]) * scale;
+  }
+};
+
+constexpr int kLanes = 16;  // one AVX-512 register of float32; the loops below vectorize to it
+
+// a . b: lane-wise partial sums, then a tree over the lanes (an in-order sum of the lanes, what
+// a plain vectorized reduction does, is a chain of kLanes dependent adds).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float lanes[kLanes] = {};
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes)
+    for (int j = 0; j < kLanes; ++j) lanes[j] += a[e + j] * b[e + j];
+  float tail = 0.0f;
+  for (; e < n; ++e) tail += a[e] * b[e];
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return lanes[0] + tail;
+}
+
+// acc += sum_t p[t] * values[t * stride ..], a register of acc at a time held over every t.
+inline void weighted_sum(float* acc, const float* p, const float* values, int64_t count,
+                         int64_t stride, int64_t n) {
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    float lanes[kLanes];
+    for (int j = 0; j < kLanes; ++j) lanes[j] = acc[e + j];
+    for (int64_t t = 0; t < count; ++t)
+      for (int j = 0; j < kLanes; ++j) lanes[j] += p[t] * values[t * stride + e + j];
+    for (int j = 0; j < kLanes; ++j) acc[e + j] = lanes[j];
+  }
+  for (; e < n; ++e)
+    for (int64_t t = 0; t < count; ++t) acc[e] += p[t] * values[t * stride + e];
+}
+
+// Softmax state of one row over part of its context: running maximum `m`, sum of
+// exp(score - m) `l`, and the values weighted by those exponentials `acc` (online softmax).
+struct Partial {
+  float* m;    // [rows]
+  float* l;    // [rows]
+  float* acc;  // [rows, head_dim]
+};
+
+// The blocks [first_block, end_block) of one request: every row (query token i = r / num_heads,
+// query head r % num_heads) against every key it sees, keys and values read block by block.
+template <typename T, typename Slot>
+void attend_blocks(const float* qbuf, const T* key_cache, const T* value_cache,
+                   const int64_t* table, int64_t first_block, int64_t end_block, int64_t ctx,
+                   int64_t qlen, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t slot_dim, Partial part, std::vector<float>& keys,
+                   std::vector<float>& values) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t rows = qlen * num_heads;
+  const int64_t token_stride = num_kv_heads * slot_dim;
+  const int64_t block_stride = block_size * token_stride;
+  float s[kMaxBlockSize];
+  for (int64_t blk = first_block; blk < end_block; ++blk) {
+    const int64_t start = blk * block_size;
+    const int64_t n = std::min(block_size, ctx - start);
+    const T* kb = key_cache + table[blk] * block_stride;
+    const T* vb = value_cache + table[blk] * block_stride;
+    if (blk + 1 < end_block) {  // the next block is elsewhere: fetch it while this one computes
+      const char* nk = reinterpret_cast<const char*>(key_cache + table[blk + 1] * block_stride);
+      const char* nv = reinterpret_cast<const char*>(value_cache + table[blk + 1] * block_stride);
+      for (int64_t byte = 0; byte < block_stride * static_cast<int64_t>(sizeof(T)); byte += 64) {
+        __builtin_prefetch(nk + byte);
+        __builtin_prefetch(nv + byte);
+      }
+    }
+    // keys and values of the block as float32, [block_size][num_kv_heads][head_dim]
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        const int64_t at = (t * num_kv_heads + h) * head_dim;
+        Slot::load(kb + t * token_stride + h * slot_dim, head_dim, keys.data() + at);
+        Slot::load(vb + t * token_stride + h * slot_dim, head_dim, values.data() + at);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      // Query token i sits at position ctx - qlen + i and sees the keys up to it.
+      const int64_t visible = std::min(n, ctx - qlen + r / num_heads + 1 - start);
+      if (visible <= 0) continue;
+      const int64_t h = (r % num_heads) / group;
+      const float* qr = qbuf + r * head_dim;
+      for (int64_t t = 0; t < visible; ++t)
+        s[t] = dot(qr, keys.data() + (t * num_kv_heads + h) * head_dim, head_dim);
+      const float m_new = std::max(part.m[r], *std::max_element(s, s + visible));
+      const float rescale = std::exp(part.m[r] - m_new);  // 0 for the first block
+      float sum = 0.0f;
+      for (int64_t t = 0; t < visible; ++t) {
+        s[t] = std::exp(s[t] - m_new);
+        sum += s[t];
+      }
+      float* a = part.acc + r * head_dim;
+#pragma omp simd
+      for (int64_t e = 0; e < head_dim; ++e) a[e] *= rescale;
+      weighted_sum(a, s, values.data() + h * head_dim, visible, num_kv_heads * head_dim, head_dim);
+      part.l[r] = part.l[r] * rescale + sum;
+      part.m[r] = m_new;
+    }
+  }
+}
+
+// A task is a run of one request's blocks. A request gets several (split-K, as flash-decoding)
+// when there are fewer requests than twice the threads, so a batch of one uses every core; its
+// partial results merge at the end. The split depends on the batch size and context length only.
+template <typename T, typename Slot>
+void attend(
+    const float* q,              // [num_tokens, num_heads * head_dim]
+    const T* key_cache,          // [num_blocks, block_size, num_kv_heads, slot_dim]
+    const T* value_cache,        // same
+    const int64_t* block_tables, // [batch, max_blocks]
+    const int64_t* context_lens, // [batch]
+    const int64_t* query_starts, // [batch + 1]
+    float* out,                  // [num_tokens, num_heads * head_dim]
+    int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t slot_dim, float scale) {
+  const int64_t row_stride = num_heads * head_dim;  // of q and out: one query token
+  const int64_t want = 2 * at::get_num_threads();
+  const int64_t per_request = std::max<int64_t>(1, (want + batch - 1) / batch);
+  struct Task {
+    int64_t b, first_block, end_block, state;  // state: offset of its rows in m / l
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> first_task(batch + 1);
+  int64_t num_states = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    first_task[b] = static_cast<int64_t>(tasks.size());
+    const int64_t qlen = query_starts[b + 1] - query_starts[b];
+    const int64_t blocks = (context_lens[b] + block_size - 1) / block_size;
+    if (qlen <= 0 || blocks <= 0) continue;
+    const int64_t splits = std::min(blocks, per_request);
+    for (int64_t k = 0; k < splits; ++k) {
+      tasks.push_back({b, blocks * k / splits, blocks * (k + 1) / splits, num_states});
+      num_states += qlen * num_heads;
+    }
+  }
+  first_task[batch] = static_cast<int64_t>(tasks.size());
+  std::vector<float> m(num_states, -std::numeric_limits<float>::infinity()), l(num_states, 0.0f),
+      acc(num_states * head_dim, 0.0f);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qbuf, keys(kMaxBlockSize * num_kv_heads * head_dim),
+        values(kMaxBlockSize * num_kv_heads * head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& task = tasks[i];
+      const int64_t q0 = query_starts[task.b];
+      const int64_t qlen = query_starts[task.b + 1] - q0;
+      qbuf.resize(qlen * row_stride);
+      for (int64_t e = 0; e < qlen * row_stride; ++e) qbuf[e] = q[q0 * row_stride + e] * scale;
+      Partial part{m.data() + task.state, l.data() + task.state,
+                   acc.data() + task.state * head_dim};
+      attend_blocks<T, Slot>(qbuf.data(), key_cache, value_cache,
+                             block_tables + task.b * max_blocks, task.first_block,
+                             task.end_block, context_lens[task.b], qlen, block_size, num_heads,
+                             num_kv_heads, head_dim, slot_dim, part, keys, values);
+    }
+  });
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q0 = query_starts[b];
+    const int64_t rows = (query_starts[b + 1] - q0) * num_heads;
+    for (int64_t r = 0; r < rows; ++r) {
+      float m_max = -std::numeric_limits<float>::infinity();
+      for (int64_t k = first_task[b]; k < first_task[b + 1]; ++k)
+        m_max = std::max(m_max, m[tasks[k].state + r]);
+      float denom = 0.0f;
+      float* dst = out + q0 * row_stride + r * head_dim;  // rows follow q's layout
+      std::fill(dst, dst + head_dim, 0.0f);
+      for (int64_t k = first_task[b]; k < first_task[b + 1]; ++k) {
+        const int64_t st = tasks[k].state + r;
+        if (l[st] == 0.0f) continue;  // a split past this row's position
+        const float w = std::exp(m[st] - m_max);
+        denom += l[st] * w;
+        const float* a = acc.data() + st * head_dim;
+        for (int64_t e = 0; e < head_dim; ++e) dst[e] += a[e] * w;
+      }
+      const float inv = 1.0f / denom;
+      for (int64_t e = 0; e < head_dim; ++e) dst[e] *= inv;
+    }
+  }
+}
+
+template <typename T, typename Slot>
+void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+         const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+         const torch::Tensor& query_starts, torch::Tensor& out, int64_t num_kv_heads,
+         int64_t head_dim, double scale) {
+  attend<T, Slot>(q.data_ptr<float>(), reinterpret_cast<const T*>(key_cache.data_ptr()),
+                  reinterpret_cast<const T*>(value_cache.data_ptr()),
+                  block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                  query_starts.data_ptr<int64_t>(), out.data_ptr<float>(), block_tables.size(0),
+                  block_tables.size(1), key_cache.size(1), q.size(1) / head_dim, num_kv_heads,
+                  head_dim, key_cache.size(3), static_cast<float>(scale));
+}
+
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                              torch::Tensor block_tables, torch::Tensor context_lens,
+                              torch::Tensor query_starts, int64_t head_dim, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
+              "q: contiguous float32 on CPU");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "key/value cache: contiguous [num_blocks, block_size, num_kv_heads, slot_dim]");
+  for (const auto* t : {&block_tables, &context_lens, &query_starts}) {
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "int64 metadata");
+  }
+  TORCH_CHECK(query_starts.size(0) == block_tables.size(0) + 1 &&
+                  context_lens.size(0) == block_tables.size(0),
+              "one context length and query start per request");
+  TORCH_CHECK(key_cache.size(1) <= kMaxBlockSize, "block_size at most ", kMaxBlockSize);
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK((q.size(1) / head_dim) % num_kv_heads == 0, "query heads per KV head");
+  auto out = torch::empty_like(q);
+  switch (key_cache.scalar_type()) {
+    case torch::kFloat32:
+      run<float, FloatSlot<float>>(q, key_cache, value_cache, block_tables, context_lens,
+                                   query_starts, out, num_kv_heads, head_dim, scale);
+      break;
+    case torch::kBFloat16:
+      run<c10::BFloat16, FloatSlot<c10::BFloat16>>(q, key_cache, value_cache, block_tables,
+                                                   context_lens, query_starts, out, num_kv_heads,
+                                                   head_dim, scale);
+      break;
+    case torch::kFloat16:
+      run<c10::Half, FloatSlot<c10::Half>>(q, key_cache, value_cache, block_tables, context_lens,
+                                           query_starts, out, num_kv_heads, head_dim, scale);
+      break;
+    case torch::kInt8:
+      run<int8_t, QuantizedSlot<int8_t>>(q, key_cache, value_cache, block_tables, context_lens,
+                                         query_starts, out, num_kv_heads, head_dim, scale);
+      break;
+    case torch::kFloat8_e4m3fn:
+      run<c10::Float8_e4m3fn, QuantizedSlot<c10::Float8_e4m3fn>>(
+          q, key_cache, value_cache, block_tables, context_lens, query_starts, out, num_kv_heads,
+          head_dim, scale);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV cache dtype ", key_cache.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention,
+        "short-query attention over a paged KV cache (float32 queries and output)");
+}

@@ -1,0 +1,96 @@
+"""The compiled CPU attention kernel equals the SDPA path over the same paged cache, for every
+cache format, block size and query shape it takes (split contexts and causal queries included)."""
+
+from __future__ import annotations
+
+import random
+from unittest import mock
+
+import pytest
+import torch
+
+from tandem.engine import attention, cpu_attention
+from tandem.engine.attention import SeqSpec, TorchSDPABackend
+from tandem.engine.kv_quant import encode
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+
+# (cache dtype, compute dtype, tolerance): the kernel computes in float32, SDPA in the compute dtype
+FORMATS = [
+    (torch.float32, torch.float32, 1e-5),
+    (torch.bfloat16, torch.bfloat16, 2e-2),
+    (torch.float16, torch.float16, 2e-3),
+    (torch.int8, torch.float32, 1e-5),
+    (torch.float8_e4m3fn, torch.float32, 1e-5),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    assert cpu_attention.kernel() is not None, "the CPU kernel did not build (see the log)"
+
+
+def _run(
+    shapes: list[tuple[int, int]], cache_dtype: torch.dtype, dtype: torch.dtype, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched group's output from the kernel and from SDPA (seeded inputs)."""
+    torch.manual_seed(0)
+    num_blocks = sum(-(-(c + q) // block_size) for c, q in shapes) + 4
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    seqs = []
+    for computed, query_len in shapes:
+        ctx = computed + query_len
+        seqs.append(
+            SeqSpec(computed, query_len, [free.pop() for _ in range(-(-ctx // block_size))])
+        )
+    cache = encode(torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), cache_dtype)
+    q = torch.randn(sum(n for _, n in shapes), NUM_HEADS * HEAD_DIM).to(dtype)
+    backend = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size)
+    g = backend._batched_group(seqs, torch.device("cpu"))
+    kernel = cpu_attention.paged_attention(
+        q, cache, g.block_tables, g.context_lens, g.query_starts, HEAD_DIM, backend.scale
+    )
+    with mock.patch.object(cpu_attention, "supports", return_value=False):
+        sdpa = backend._batched(q, cache, g, NUM_HEADS // NUM_KV_HEADS)
+    return kernel, sdpa
+
+
+@pytest.mark.parametrize(("cache_dtype", "dtype", "tol"), FORMATS)
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_kernel_matches_sdpa(
+    cache_dtype: torch.dtype, dtype: torch.dtype, tol: float, block_size: int
+) -> None:
+    # decodes of different lengths, causal multi-token queries (verification), a fresh token
+    shapes = [(37, 1), (5, 4), (0, 1), (70, 6), (16, 16)]
+    kernel, sdpa = _run(shapes, cache_dtype, dtype, block_size)
+    torch.testing.assert_close(kernel.float(), sdpa.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("query_len", [1, 5])
+def test_split_context_of_a_lone_request(query_len: int) -> None:
+    """One request: its context is split over the threads and the parts merged."""
+    kernel, sdpa = _run([(300, query_len)], torch.float32, torch.float32, 16)
+    torch.testing.assert_close(kernel, sdpa, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("num_seqs", "query_len", "kernel"),
+    [(2, 1, True), (2, attention.KERNEL_MAX_QUERY_LEN + 1, False), (1, 6, True)],
+)
+def test_backend_routes_steps(num_seqs: int, query_len: int, kernel: bool) -> None:
+    """Decodes and a lone request take the kernel; longer queries of a batch take SDPA."""
+    backend = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 16)
+    seqs = [SeqSpec(8, query_len, [0, 1]), SeqSpec(3, query_len, [2])][:num_seqs]
+    group = backend._batched_group(seqs, torch.device("cpu"))
+    cache = torch.randn(2, 4, 16, NUM_KV_HEADS, HEAD_DIM)
+    q = torch.randn(num_seqs * query_len, NUM_HEADS * HEAD_DIM)
+    with mock.patch.object(
+        cpu_attention, "paged_attention", wraps=cpu_attention.paged_attention
+    ) as call:
+        backend._batched(q, cache, group, NUM_HEADS // NUM_KV_HEADS)
+    assert call.called == kernel
+
+
+def test_blocks_larger_than_the_kernel_takes_go_to_sdpa() -> None:
+    assert not cpu_attention.supports(torch.zeros(2, 1, cpu_attention.MAX_BLOCK_SIZE + 1, 1, 1))
