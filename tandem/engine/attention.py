@@ -15,7 +15,7 @@ or transferred. Query heads are grouped per KV head (GQA) by folding the group i
 query-length axis, so keys and values are never repeated.
 
 On CPU the batched short queries go to a compiled kernel that reads the paged blocks in place
-(`cpu_attention.py`) when it is built and the step suits it (`KERNEL_MAX_QUERY_LEN`); SDPA over
+(`cpu_attention.py`) when it is built and the step suits it (`KERNEL_WORK_RATIO`); SDPA over
 gathered blocks is the path everywhere else.
 """
 
@@ -33,13 +33,14 @@ from tandem.engine.kv_quant import copy_slots, decode, encode, is_quantized, sel
 # Requests whose step covers at most this many tokens (decodes, speculative verification) attend
 # together in one padded SDPA call; longer prefill chunks attend one request at a time.
 MAX_BATCHED_QUERY_LEN = 16
-# The CPU kernel's work grows with query rows x context, SDPA's mostly with the gathered (padded)
-# context. Measured on SmolLM2's heads, bf16, 2 threads, 400-1400-token contexts, per layer:
-# 16 decodes 2.5 ms against 7.3 (SDPA), 16 x 2 queries 4.5 against 9.2, 16 x 6 8.8 against
-# 11.1, 4 x 4 1.6 against 0.9, one request of 6 queries 0.7 against 0.9, one decode 0.1 against
-# 0.7. So the kernel takes steps of at most this many queries per request, and a lone request
-# (whose context it splits over the threads; SDPA parallelizes over heads only).
-KERNEL_MAX_QUERY_LEN = 2
+# The CPU kernel's work grows with query rows x context (sum of context_len * query_len), SDPA's
+# mostly with the gathered, padded context (batch x longest context). Measured on SmolLM2's heads,
+# bf16, 2 threads, 400-1400-token contexts, per layer, kernel against SDPA: 16 decodes 2.5 ms
+# against 7.3, 16 x 2 queries 4.5 against 9.2, 16 x 6 8.8 against 11.1, 4 x 4 1.6 against 0.9;
+# one request (the kernel splits its context over the threads, SDPA parallelizes over heads only):
+# one decode 0.1 against 0.7, 6 queries 0.7 against 0.9. So the kernel takes a step whose rows x
+# context is at most this many times the padded context, and any lone request.
+KERNEL_WORK_RATIO = 3
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class BatchedGroup:
     pad_index: torch.Tensor | None  # [num_tokens_in_group] rows of the padded [B * max_q] layout
     context_lens: torch.Tensor  # [B] int64
     query_starts: torch.Tensor  # [B + 1] int64: request b's tokens are [s[b], s[b + 1])
+    kernel: bool  # cheaper on the CPU kernel than on SDPA (where the kernel runs)
 
 
 @dataclass
@@ -171,6 +173,7 @@ class TorchSDPABackend(AttentionBackend):
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + s.query_len)
+        work = sum(s.context_len * s.query_len for s in seqs)
         return BatchedGroup(
             slice(0, starts[-1]),
             torch.tensor(tables, device=device),
@@ -180,6 +183,7 @@ class TorchSDPABackend(AttentionBackend):
             pad_index,
             torch.tensor([s.context_len for s in seqs], device=device),
             torch.tensor(starts, device=device),
+            len(seqs) == 1 or work <= KERNEL_WORK_RATIO * len(seqs) * max_ctx,
         )
 
     def forward(
@@ -210,7 +214,7 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
         num_b, max_q = b.block_tables.shape[0], b.query_len
-        if (max_q <= KERNEL_MAX_QUERY_LEN or num_b == 1) and cpu_attention.supports(kv_cache):
+        if b.kernel and cpu_attention.supports(kv_cache):
             return cpu_attention.paged_attention(
                 q, kv_cache, b.block_tables, b.context_lens, b.query_starts, d, self.scale
             )

@@ -76,10 +76,10 @@ def test_split_context_of_a_lone_request(query_len: int) -> None:
 
 @pytest.mark.parametrize(
     ("num_seqs", "query_len", "kernel"),
-    [(2, 1, True), (2, attention.KERNEL_MAX_QUERY_LEN + 1, False), (1, 6, True)],
+    [(2, 1, True), (2, attention.KERNEL_WORK_RATIO + 1, False), (1, 6, True)],
 )
 def test_backend_routes_steps(num_seqs: int, query_len: int, kernel: bool) -> None:
-    """Decodes and a lone request take the kernel; longer queries of a batch take SDPA."""
+    """Decodes and a lone request take the kernel; a batch of long queries takes SDPA."""
     backend = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 16)
     seqs = [SeqSpec(8, query_len, [0, 1]), SeqSpec(3, query_len, [2])][:num_seqs]
     group = backend._batched_group(seqs, torch.device("cpu"))
