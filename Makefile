@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -m tandem.engine.cpu_attention
+	$(PY) -c 'from tandem.engine.cpu_attention import kernel; print("CPU attention kernel:", "built" if kernel() else "unavailable, SDPA")'
 	touch $(STAMP)
 
 serve: install

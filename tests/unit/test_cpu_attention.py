@@ -4,6 +4,7 @@ cache format, block size and query shape it takes (split contexts and causal que
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -27,7 +28,10 @@ FORMATS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    assert cpu_attention.kernel() is not None, "the CPU kernel did not build (see the log)"
+    module = cpu_attention.kernel()
+    assert module is not None, "the CPU kernel did not build (see the log)"
+    # imported from its own build folder, keyed by the source, torch, flags and CPU
+    assert Path(module.__file__ or "").parent == cpu_attention.build_dir()
 
 
 def _run(
