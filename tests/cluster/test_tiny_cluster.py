@@ -80,9 +80,10 @@ def test_a_cached_prefix_goes_to_the_prefill_worker_that_holds_it(tiny: LocalClu
     target = tiny.address.grpc_target
     snapshot = tiny.router_server.snapshot
     prefills = {w.worker_id: w for w in workers(tiny, "prefill")}
-    # Two long prompts at once: least-loaded puts them on different prefill workers (a few
-    # tries, in case one prefill ends before the other request is routed).
-    for attempt in range(3):
+    # Two long prompts at once: least-loaded puts them on different prefill workers (up to ten
+    # tries, in case one prefill ends before the other request is routed: a tiny model's
+    # 160-token prefill takes milliseconds, and three tries once fell short in CI).
+    for attempt in range(10):
         bases = [prompt_ids(100 + 2 * attempt + i, 160) for i in range(2)]
         with ThreadPoolExecutor(2) as pool:
             first = list(
