@@ -68,7 +68,7 @@ class BatchedGroup:
     pad_index: torch.Tensor | None  # [num_tokens_in_group] rows of the padded [B * max_q] layout
     context_lens: torch.Tensor  # [B] int64
     query_starts: torch.Tensor  # [B + 1] int64: request b's tokens are [s[b], s[b + 1])
-    kernel: bool  # cheaper on the CPU kernel than on SDPA (where the kernel runs)
+    kernel: bool  # attended by the CPU kernel (built, a CPU device, and cheaper there than SDPA)
 
 
 @dataclass
@@ -152,8 +152,12 @@ class TorchSDPABackend(AttentionBackend):
         max_blocks = -(-max_ctx // bs)
         tables = [s.block_table[:max_blocks] for s in seqs]
         tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-        mask = pad_index = None
-        if max_q > 1 or any(s.context_len != max_ctx for s in seqs):
+        work = sum(s.context_len * s.query_len for s in seqs)
+        kernel = cpu_attention.runs_on(device, bs) and (
+            len(seqs) == 1 or work <= KERNEL_WORK_RATIO * len(seqs) * max_ctx
+        )
+        mask = pad_index = None  # the kernel needs neither
+        if not kernel and (max_q > 1 or any(s.context_len != max_ctx for s in seqs)):
             # Query row i of a request sits at position context_len - query_len + i (right-aligned
             # in the padded layout); it sees keys at positions <= its own.
             q_pos = torch.tensor([s.context_len - max_q for s in seqs], device=device)
@@ -173,7 +177,6 @@ class TorchSDPABackend(AttentionBackend):
         starts = [0]
         for s in seqs:
             starts.append(starts[-1] + s.query_len)
-        work = sum(s.context_len * s.query_len for s in seqs)
         return BatchedGroup(
             slice(0, starts[-1]),
             torch.tensor(tables, device=device),
@@ -183,7 +186,7 @@ class TorchSDPABackend(AttentionBackend):
             pad_index,
             torch.tensor([s.context_len for s in seqs], device=device),
             torch.tensor(starts, device=device),
-            len(seqs) == 1 or work <= KERNEL_WORK_RATIO * len(seqs) * max_ctx,
+            kernel,
         )
 
     def forward(
@@ -214,7 +217,7 @@ class TorchSDPABackend(AttentionBackend):
     ) -> torch.Tensor:
         hkv, d = self.num_kv_heads, self.head_dim
         num_b, max_q = b.block_tables.shape[0], b.query_len
-        if b.kernel and cpu_attention.supports(kv_cache):
+        if b.kernel:
             return cpu_attention.paged_attention(
                 q, kv_cache, b.block_tables, b.context_lens, b.query_starts, d, self.scale
             )

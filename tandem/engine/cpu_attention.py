@@ -94,13 +94,9 @@ def kernel() -> ModuleType | None:
         return None
 
 
-def supports(kv_cache: torch.Tensor) -> bool:
-    """Whether the kernel runs attention over this layer's cache."""
-    return (
-        kv_cache.device.type == "cpu"
-        and kv_cache.shape[2] <= MAX_BLOCK_SIZE
-        and kernel() is not None
-    )
+def runs_on(device: torch.device, block_size: int) -> bool:
+    """Whether the kernel runs attention over caches of `block_size` on `device`."""
+    return device.type == "cpu" and block_size <= MAX_BLOCK_SIZE and kernel() is not None
 
 
 def paged_attention(
@@ -113,7 +109,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
     ext = kernel()
-    assert ext is not None, "check supports() first"
+    assert ext is not None, "check runs_on() first"
     out = ext.paged_attention(
         q.float().contiguous(),
         kv_cache[0],

@@ -55,8 +55,9 @@ def _run(
     kernel = cpu_attention.paged_attention(
         q, cache, g.block_tables, g.context_lens, g.query_starts, HEAD_DIM, backend.scale
     )
-    with mock.patch.object(cpu_attention, "supports", return_value=False):
-        sdpa = backend._batched(q, cache, g, NUM_HEADS // NUM_KV_HEADS)
+    with mock.patch.object(cpu_attention, "runs_on", return_value=False):
+        sdpa_group = backend._batched_group(seqs, torch.device("cpu"))
+    sdpa = backend._batched(q, cache, sdpa_group, NUM_HEADS // NUM_KV_HEADS)
     return kernel, sdpa
 
 
@@ -97,4 +98,4 @@ def test_backend_routes_steps(num_seqs: int, query_len: int, kernel: bool) -> No
 
 
 def test_blocks_larger_than_the_kernel_takes_go_to_sdpa() -> None:
-    assert not cpu_attention.supports(torch.zeros(2, 1, cpu_attention.MAX_BLOCK_SIZE + 1, 1, 1))
+    assert not cpu_attention.runs_on(torch.device("cpu"), cpu_attention.MAX_BLOCK_SIZE + 1)
