@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -c 'from tandem.engine.cpu_attention import kernel; print("CPU attention kernel:", "built" if kernel() else "unavailable, SDPA")'
+	$(PY) -c 'from tandem.engine.native import extension; print("native CPU extension (attention, KV copies):", "built" if extension() else "unavailable, portable paths")'
 	touch $(STAMP)
 
 serve: install

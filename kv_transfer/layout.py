@@ -26,10 +26,12 @@ import itertools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
 
 import numpy as np
 import torch
 
+from tandem.engine import native
 from tandem.engine.kv_quant import copy_slots, decode, encode, select_slots
 
 
@@ -86,9 +88,22 @@ def row_runs(index: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], breaks, [len(index)]))
 
 
-def _take(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """rows[index], contiguous, as slice copies when the index is a few runs."""
+def _native() -> ModuleType | None:
+    """The compiled row copy (`tandem/engine/csrc/copy_rows.cpp`), or None: NumPy copies."""
+    return native.extension()
+
+
+def _take(rows: np.ndarray, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """rows[index], contiguous (into `out` when given): by the native copy, else as slice
+    copies when the index is a few runs."""
+    if _native() is not None:
+        out = np.empty(len(index), rows.dtype) if out is None else out
+        _indexed_copy(out, None, rows, index, stream=False)  # read again soon: keep it cached
+        return out
     runs = row_runs(index)
+    if out is not None:
+        _indexed_copy(out, None, rows, index)
+        return out
     if len(runs) - 1 > MAX_SLICE_RUNS:
         return rows[index]
     pieces = [rows[index[a] : index[a] + b - a] for a, b in itertools.pairwise(runs)]
@@ -96,15 +111,30 @@ def _take(rows: np.ndarray, index: np.ndarray) -> np.ndarray:
 
 
 def _indexed_copy(
-    dst: np.ndarray, dst_index: np.ndarray, src: np.ndarray, src_index: np.ndarray | None = None
+    dst: np.ndarray,
+    dst_index: np.ndarray | None,
+    src: np.ndarray,
+    src_index: np.ndarray | None = None,
+    stream: bool = True,
 ) -> None:
-    """dst[dst_index] = src[src_index] (or src), over threads when it is large."""
+    """dst[dst_index] = src[src_index] over whole rows (an index of None: the rows in order),
+    over threads when it is large; by the native copy (runs of rows at once) where it is built,
+    which writes a destination that is not read again soon (`stream`: a KV cache, not a wire
+    tensor about to be sent) by non-temporal stores."""
+    ext = _native()
+    n = len(dst_index if dst_index is not None else src_index)  # type: ignore[arg-type]
+    nbytes = n * dst.dtype.itemsize
 
     def part(at: slice) -> None:
-        dst[dst_index[at]] = src[at] if src_index is None else src[src_index[at]]
+        to = None if dst_index is None else dst_index[at]
+        fro = None if src_index is None else src_index[at]
+        if ext is not None:
+            d, s = dst if to is not None else dst[at], src if fro is not None else src[at]
+            ext.copy_rows(d, to, s, fro, dst.dtype.itemsize, stream)
+        else:
+            dst[at if to is None else to] = src[at if fro is None else fro]
 
-    n = len(dst_index)
-    if COPY_THREADS == 1 or n * dst.dtype.itemsize < PARALLEL_BYTES:
+    if COPY_THREADS == 1 or nbytes < PARALLEL_BYTES:
         part(slice(0, n))
         return
     bounds = [n * i // COPY_THREADS for i in range(COPY_THREADS + 1)]
@@ -112,24 +142,35 @@ def _indexed_copy(
 
 
 def _put(rows: np.ndarray, index: np.ndarray, src: np.ndarray) -> None:
-    """rows[index] = src, as slice copies when the index is a few runs."""
-    runs = row_runs(index)
-    if len(runs) - 1 > MAX_SLICE_RUNS:
+    """rows[index] = src: by the native copy, else as slice copies when the index is a few
+    runs."""
+    runs = row_runs(index) if _native() is None else None
+    if runs is None or len(runs) - 1 > MAX_SLICE_RUNS:
         _indexed_copy(rows, index, src)
         return
     for a, b in itertools.pairwise(runs):
         rows[index[a] : index[a] + b - a] = src[a:b]
 
 
-def gather_tokens(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """One layer's KV of the given slots as a contiguous wire tensor.
+def gather_tokens(
+    cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One layer's KV of the given slots as a contiguous wire tensor (written into `out`, a
+    contiguous tensor of the cache's device, dtype and that shape, when given).
 
     cache: [2, num_blocks, block_size, heads, slot_dim] -> [2, num_tokens, heads, slot_dim]"""
     if cache.device.type == "cpu":
-        wire = _take(rows_of(cache), kv_rows(slots, cache.shape[1] * cache.shape[2]))
+        rows = rows_of(cache)
+        target = None if out is None else out.view(torch.uint8).numpy().reshape(-1).view(rows.dtype)
+        wire = _take(rows, kv_rows(slots, cache.shape[1] * cache.shape[2]), target)
+        if out is not None:
+            return out
         return torch.from_numpy(wire.view(np.uint8)).view(cache.dtype).view(2, -1, *cache.shape[3:])
     flat = cache.view(2, -1, *cache.shape[3:])  # [2, num_slots, heads, slot_dim]
-    return select_slots(flat, 1, slots)
+    if out is None:
+        return select_slots(flat, 1, slots)
+    torch.index_select(flat.view(torch.uint8), 1, slots, out=out.view(torch.uint8))
+    return out
 
 
 def wire_pieces(cache: torch.Tensor, slots: torch.Tensor) -> list[memoryview]:
@@ -156,9 +197,10 @@ def plan_copy(
     `dst` (one layer each; e.g. the prefill cache and a decode worker's shared memory), planned
     once for every layer of a transfer: call it with each (source layer, destination layer).
 
-    It needs no wire tensor where the slots allow; the last block of a block-wise copy is copied
-    whole (its tail slots belong to the same reservation and are not read before they are
-    written)."""
+    It needs no wire tensor. The native copy moves the runs of rows that are consecutive on
+    both sides at once; NumPy copies a few runs as slices, else whole blocks where the block
+    sizes match (the last block copied whole: its tail slots belong to the same reservation and
+    are not read before they are written), else token rows."""
     if src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype:
         return lambda s_layer, d_layer: scatter_tokens(
             d_layer, dst_slots, gather_tokens(s_layer, src_slots)
@@ -166,7 +208,8 @@ def plan_copy(
     s = kv_rows(src_slots, src.shape[1] * src.shape[2])
     d = kv_rows(dst_slots, dst.shape[1] * dst.shape[2])
     runs = np.union1d(row_runs(s), row_runs(d))
-    if len(runs) - 1 <= MAX_SLICE_RUNS:
+    numpy_copy = _native() is None
+    if numpy_copy and len(runs) - 1 <= MAX_SLICE_RUNS:
         slices = [(s[a], d[a], b - a) for a, b in itertools.pairwise(runs)]
 
         def copy_slices(s_layer: torch.Tensor, d_layer: torch.Tensor) -> None:
@@ -176,7 +219,7 @@ def plan_copy(
 
         return copy_slices
     block_size = src.shape[2]
-    if dst.shape[2] == block_size:  # aligned: slot tables start at a block's first slot
+    if numpy_copy and dst.shape[2] == block_size:  # slot tables start at a block's first slot
         sb = kv_rows(src_slots[::block_size] // block_size, src.shape[1])
         db = kv_rows(dst_slots[::block_size] // block_size, dst.shape[1])
         return lambda s_layer, d_layer: _indexed_copy(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
@@ -83,7 +84,8 @@ class PairPlane(DataPlane):
     def __init__(self, pair: Pair, num_layers: int) -> None:
         self.pair = pair
         self.tag_base = pair.next_tag_base(num_layers)
-        self._in_flight: list[tuple[Work, torch.Tensor]] = []  # (work, the tensor it reads)
+        self._in_flight: deque[tuple[Work, torch.Tensor]] = deque()  # (work, the tensor it reads)
+        self._free: list[torch.Tensor] = []  # staging tensors whose sends are done
 
     def fill_header(self, header: pb.TransferHeader) -> None:
         header.pair_id = self.pair.pair_id
@@ -94,14 +96,22 @@ class PairPlane(DataPlane):
     ) -> Iterator[bytes]:
         # A marker follows the sends it announces (the receiver waits on those recvs only, and
         # Gloo moves no bytes before they are posted), after 1, 2, 4, ... layers up to
-        # WINDOW_BYTES: the receiver takes a group while the next one is gathered.
+        # WINDOW_BYTES: the receiver takes a group while the next one is gathered. The staging
+        # tensors stay within two windows: a group reuses those of announced sends once they are
+        # done (fresh memory costs a page fault per 4 KB, and a transfer's worth of it is a
+        # prompt's whole KV).
         layer_bytes = 2 * len(slots) * row_nbytes(kv_caches[0])
         most = max(1, WINDOW_BYTES // max(layer_bytes, 1))
         start, size = layers.start, 1
         while start < layers.stop:
             group = range(start, min(start + size, layers.stop))
+            while self._in_flight and len(self._in_flight) + len(group) > 2 * most:
+                work, tokens = self._in_flight.popleft()
+                wait_done(work, deadline - time.monotonic())
+                self._free.append(tokens)
             for layer in group:
-                tokens = gather_tokens(kv_caches[layer], slots)  # a copy: blocks free after it
+                staging = self._free.pop() if self._free else None
+                tokens = gather_tokens(kv_caches[layer], slots, out=staging)  # blocks free after
                 self._in_flight.append((self.pair.send(tokens, self.tag_base + layer), tokens))
             yield layer_message(group.start, num_layers=len(group))
             start, size = group.stop, min(2 * size, most)
@@ -110,6 +120,7 @@ class PairPlane(DataPlane):
         for work, _ in self._in_flight:
             wait_done(work, timeout_s)
         self._in_flight.clear()
+        self._free.clear()
 
 
 class ShmPlane(DataPlane):

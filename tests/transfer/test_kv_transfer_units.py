@@ -60,7 +60,8 @@ def test_gather_then_scatter_across_block_sizes_round_trips() -> None:
     assert int(dst[:, [0, 1, 3, 4]].count_nonzero()) == 0
 
 
-@pytest.mark.parametrize("max_runs", [0, 64])  # 0: indexed copies; 64: slices of runs
+@pytest.mark.parametrize("copier", ["native", "numpy"])  # csrc/copy_rows.cpp, or NumPy's
+@pytest.mark.parametrize("max_runs", [0, 64])  # NumPy: 0, indexed copies; 64, slices of runs
 @pytest.mark.parametrize(
     ("src_blocks", "dst_blocks", "dst_block_size"),
     [
@@ -71,11 +72,16 @@ def test_gather_then_scatter_across_block_sizes_round_trips() -> None:
 )
 def test_copy_and_gather_scatter_paths_agree(
     monkeypatch: pytest.MonkeyPatch,
+    copier: str,
     max_runs: int,
     src_blocks: list[int],
     dst_blocks: list[int],
     dst_block_size: int,
 ) -> None:
+    if copier == "native":
+        assert layout._native() is not None, "the native extension did not build (see the log)"
+    else:
+        monkeypatch.setattr(layout, "_native", lambda: None)
     monkeypatch.setattr(layout, "MAX_SLICE_RUNS", max_runs)
     n = 14  # the last source block is partial
     src = torch.randn(2, 8, 4, 2, 8, generator=torch.Generator().manual_seed(2))
@@ -83,6 +89,9 @@ def test_copy_and_gather_scatter_paths_agree(
     expected = src.view(2, -1, 2, 8)[:, src_slots]  # [2, n, heads, dim]
     wire = gather_tokens(src, src_slots)
     assert torch.equal(wire, expected) and wire.is_contiguous()  # a pair sends it as it is
+    staging = torch.full_like(expected, -1.0)  # a pair's reused staging tensor
+    assert gather_tokens(src, src_slots, out=staging) is staging
+    assert torch.equal(staging, expected)
 
     num_dst_blocks = 32 // dst_block_size
     dst_slots = slot_mapping(dst_blocks, dst_block_size, n, CPU)

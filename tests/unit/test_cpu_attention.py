@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tandem.engine import attention, cpu_attention
+from tandem.engine import attention, cpu_attention, native
 from tandem.engine.attention import SeqSpec, TorchSDPABackend
 from tandem.engine.kv_quant import encode
 
@@ -31,7 +31,7 @@ def built() -> None:
     module = cpu_attention.kernel()
     assert module is not None, "the CPU kernel did not build (see the log)"
     # imported from its own build folder, keyed by the source, torch, flags and CPU
-    assert Path(module.__file__ or "").parent == cpu_attention.build_dir()
+    assert Path(module.__file__ or "").parent == native.build_dir()
 
 
 def _run(

@@ -10,6 +10,8 @@
 // Cache slots: `head_dim` values in float32 / bfloat16 / float16, or `head_dim` int8 / e4m3
 // codes followed by the 4 bytes of their float32 scale (tandem/engine/kv_quant.py).
 
+#include "native.h"
+
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -245,6 +247,8 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
                   head_dim, key_cache.size(3), static_cast<float>(scale));
 }
 
+}  // namespace
+
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor context_lens,
                               torch::Tensor query_starts, int64_t head_dim, double scale) {
@@ -292,9 +296,3 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::T
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "short-query attention over a paged KV cache (float32 queries and output)");
-}
