@@ -344,6 +344,8 @@ class KVReceiver:
                 continue
             if part != "trailer":
                 raise TransferError(FailureCause.BAD_METADATA, f"unexpected {part} message")
+            sink.drain(res.status.deadline)
+            res.arrival.nbytes = sink.layers_done * layout.layer_nbytes(header.num_tokens)
             if sink.layers_done != self.layout.num_layers:
                 raise TransferError(
                     FailureCause.PEER_LOST,

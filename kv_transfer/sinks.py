@@ -5,7 +5,8 @@ One sink per transfer, the counterpart of the sender's plane (`kv_transfer.plane
   layers, and writes whole rows straight from the received message into the reserved blocks
   when the caches share a format (CPU), else gathers each layer and converts it;
 - `PairSink` receives the layers a marker announces from the torch.distributed pair, several
-  recvs in flight into reused staging buffers, each scattered as soon as it lands;
+  recvs in flight into reused staging buffers (also while the next marker is read), each
+  scattered once it landed;
 - `ShmSink` has nothing to move: the sender wrote the layers into our shared memory itself.
 
 Layers arrive in order; a sink refuses anything else (a repeat, a gap, bytes past the end) as
@@ -50,6 +51,7 @@ class LayerSink(ABC):
         self.layout = layout  # the sender's: its dtype is the wire's
         self.num_tokens = num_tokens
         self.layers_done = 0  # layers [0, layers_done) are in the blocks
+        self.announced = 0  # layers [0, announced) were announced by pair/shm markers
 
     @property
     def wire_shape(self) -> tuple[int, int, int, int]:
@@ -60,13 +62,17 @@ class LayerSink(ABC):
         """Handle one layer message (`data`: its bytes, read in place) by `deadline`
         (time.monotonic()); raises TransferError."""
 
+    def drain(self, deadline: float) -> None:  # noqa: B027 (optional hook)
+        """Finish the layers announced so far (before the trailer is taken)."""
+
     def _announced(self, msg: pb.LayerChunk, data: memoryview) -> range:
-        """The layers a pair/shm marker announces, checked to follow the ones done."""
+        """The layers a pair/shm marker announces, checked to follow the ones announced."""
         layers = range(msg.layer, msg.layer + max(msg.num_layers, 1))
         if len(data) or msg.offset:
             raise _bad("a marker carries no data")
-        if layers.start != self.layers_done or layers.stop > len(self.kv_caches):
-            raise _bad(f"layers {layers.start}..{layers.stop - 1} after {self.layers_done} done")
+        if layers.start != self.announced or layers.stop > len(self.kv_caches):
+            raise _bad(f"layers {layers.start}..{layers.stop - 1} after {self.announced}")
+        self.announced = layers.stop
         return layers
 
     def _write_tokens(self, layer: int, tokens: torch.Tensor) -> None:
@@ -141,22 +147,31 @@ class PairSink(LayerSink):
         self.tag_base = tag_base
         self.window = max(2, WINDOW_BYTES // max(layout.layer_nbytes(num_tokens), 1))
         self.free: list[torch.Tensor] = []  # staging buffers, [2, num_tokens, heads, slot_dim]
+        self.posted: deque[tuple[int, torch.distributed.Work, torch.Tensor]] = deque()
 
     def add(self, msg: pb.LayerChunk, data: memoryview, deadline: float) -> None:
-        """Receive every announced layer (their sends are posted) before reading on, with up
-        to WINDOW_BYTES of recvs in flight (two at least)."""
-        waiting = deque(self._announced(msg, data))
-        posted: deque[tuple[int, torch.distributed.Work, torch.Tensor]] = deque()
-        while waiting or posted:
-            while waiting and len(posted) < self.window:
-                layer = waiting.popleft()
-                buf = self.free.pop() if self.free else self._staging()
-                posted.append((layer, self.pair.post_recv(buf, self.tag_base + layer), buf))
-            layer, work, buf = posted.popleft()
-            wait_done(work, deadline - time.monotonic())
-            self._write_tokens(layer, buf)
-            self.free.append(buf)
-            self.layers_done = layer + 1
+        """Post the recvs of the announced layers (their sends are posted), with up to
+        WINDOW_BYTES of recvs in flight (two at least), and write the layers that landed; the
+        reader goes on to the next marker while the rest lands."""
+        for layer in self._announced(msg, data):
+            while len(self.posted) >= self.window:
+                self._land(deadline)
+            buf = self.free.pop() if self.free else self._staging()
+            self.posted.append((layer, self.pair.post_recv(buf, self.tag_base + layer), buf))
+        while self.posted and self.posted[0][1].is_completed():
+            self._land(deadline)
+
+    def drain(self, deadline: float) -> None:
+        while self.posted:
+            self._land(deadline)
+
+    def _land(self, deadline: float) -> None:
+        """Wait for the oldest recv and write its layer into the blocks."""
+        layer, work, buf = self.posted.popleft()
+        wait_done(work, deadline - time.monotonic())
+        self._write_tokens(layer, buf)
+        self.free.append(buf)
+        self.layers_done = layer + 1
 
     def _staging(self) -> torch.Tensor:
         cache = self.kv_caches[0]
