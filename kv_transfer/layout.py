@@ -98,14 +98,11 @@ def _native() -> ModuleType | None:
 def _take(rows: np.ndarray, index: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """rows[index], contiguous (into `out` when given): by the native copy, else as slice
     copies when the index is a few runs."""
-    if _native() is not None:
+    if out is not None or _native() is not None:
         out = np.empty(len(index), rows.dtype) if out is None else out
         _indexed_copy(out, None, rows, index, stream=False)  # read again soon: keep it cached
         return out
     runs = row_runs(index)
-    if out is not None:
-        _indexed_copy(out, None, rows, index)
-        return out
     if len(runs) - 1 > MAX_SLICE_RUNS:
         return rows[index]
     pieces = [rows[index[a] : index[a] + b - a] for a, b in itertools.pairwise(runs)]
@@ -124,7 +121,9 @@ def _indexed_copy(
     which writes a destination that is not read again soon (`stream`: a KV cache, not a wire
     tensor about to be sent) by non-temporal stores."""
     ext = _native()
-    n = len(dst_index if dst_index is not None else src_index)  # type: ignore[arg-type]
+    index = dst_index if dst_index is not None else src_index
+    assert index is not None, "dst_index, src_index: one at least"
+    n = len(index)
     nbytes = n * dst.dtype.itemsize
 
     def part(at: slice) -> None:

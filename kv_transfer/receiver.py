@@ -359,7 +359,8 @@ class KVReceiver:
             a.first_token_unix = chunk.trailer.first_token_unix
             res.status.advance(TransferState.SUCCESS)
             return pb.PushReply(kind=pb.PushReply.DONE, bytes_received=a.nbytes)
-        if res.cancelled:
+        if res.cancelled:  # the sender stopped after the layers it announced: let them land
+            sink.drain(res.status.deadline)
             raise TransferError(FailureCause.CANCELLED, "the request was aborted")
         raise TransferError(FailureCause.PEER_LOST, f"stream ended after {sink.layers_done} layers")
 
