@@ -145,12 +145,13 @@ def _indexed_copy(
 def _put(rows: np.ndarray, index: np.ndarray, src: np.ndarray) -> None:
     """rows[index] = src: by the native copy, else as slice copies when the index is a few
     runs."""
-    runs = row_runs(index) if _native() is None else None
-    if runs is None or len(runs) - 1 > MAX_SLICE_RUNS:
-        _indexed_copy(rows, index, src)
-        return
-    for a, b in itertools.pairwise(runs):
-        rows[index[a] : index[a] + b - a] = src[a:b]
+    if _native() is None:
+        runs = row_runs(index)
+        if len(runs) - 1 <= MAX_SLICE_RUNS:
+            for a, b in itertools.pairwise(runs):
+                rows[index[a] : index[a] + b - a] = src[a:b]
+            return
+    _indexed_copy(rows, index, src)
 
 
 def gather_tokens(
@@ -208,24 +209,24 @@ def plan_copy(
         )
     s = kv_rows(src_slots, src.shape[1] * src.shape[2])
     d = kv_rows(dst_slots, dst.shape[1] * dst.shape[2])
-    runs = np.union1d(row_runs(s), row_runs(d))
-    numpy_copy = _native() is None
-    if numpy_copy and len(runs) - 1 <= MAX_SLICE_RUNS:
-        slices = [(s[a], d[a], b - a) for a, b in itertools.pairwise(runs)]
+    if _native() is None:
+        runs = np.union1d(row_runs(s), row_runs(d))
+        if len(runs) - 1 <= MAX_SLICE_RUNS:
+            slices = [(s[a], d[a], b - a) for a, b in itertools.pairwise(runs)]
 
-        def copy_slices(s_layer: torch.Tensor, d_layer: torch.Tensor) -> None:
-            src_rows, dst_rows = rows_of(s_layer), rows_of(d_layer)
-            for at, to, n in slices:
-                dst_rows[to : to + n] = src_rows[at : at + n]
+            def copy_slices(s_layer: torch.Tensor, d_layer: torch.Tensor) -> None:
+                src_rows, dst_rows = rows_of(s_layer), rows_of(d_layer)
+                for at, to, n in slices:
+                    dst_rows[to : to + n] = src_rows[at : at + n]
 
-        return copy_slices
-    block_size = src.shape[2]
-    if numpy_copy and dst.shape[2] == block_size:  # slot tables start at a block's first slot
-        sb = kv_rows(src_slots[::block_size] // block_size, src.shape[1])
-        db = kv_rows(dst_slots[::block_size] // block_size, dst.shape[1])
-        return lambda s_layer, d_layer: _indexed_copy(
-            rows_of(d_layer, block_size), db, rows_of(s_layer, block_size), sb
-        )
+            return copy_slices
+        block_size = src.shape[2]
+        if dst.shape[2] == block_size:  # slot tables start at a block's first slot
+            sb = kv_rows(src_slots[::block_size] // block_size, src.shape[1])
+            db = kv_rows(dst_slots[::block_size] // block_size, dst.shape[1])
+            return lambda s_layer, d_layer: _indexed_copy(
+                rows_of(d_layer, block_size), db, rows_of(s_layer, block_size), sb
+            )
     return lambda s_layer, d_layer: _indexed_copy(rows_of(d_layer), d, rows_of(s_layer), s)
 
 
