@@ -203,8 +203,11 @@ class TorchSDPABackend(AttentionBackend):
         flat = kv_cache.view(2, -1, hkv, kv_cache.shape[-1])  # [2, num_slots, hkv, slot_dim]
         copy_slots(flat[0], 0, meta.slot_mapping, encode(k.view(-1, hkv, d), kv_cache.dtype))
         copy_slots(flat[1], 0, meta.slot_mapping, encode(v.view(-1, hkv, d), kv_cache.dtype))
-        out = torch.empty_like(q)
-        if (b := meta.batched) is not None:
+        b = meta.batched
+        if b is not None and not meta.long_seqs:  # decodes and verifications only
+            return self._batched(q, kv_cache, b, group)
+        out = q.new_empty(q.shape)
+        if b is not None:
             out[b.token_slice] = self._batched(q[b.token_slice], kv_cache, b, group)
         for s in meta.long_seqs:
             out[s.token_slice] = self._long(

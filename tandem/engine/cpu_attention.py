@@ -21,6 +21,7 @@ from tandem.engine import native
 
 ENV = "TANDEM_CPU_ATTENTION"  # "sdpa" keeps CPU attention on the portable path
 MAX_BLOCK_SIZE = 64  # the kernel's `kMaxBlockSize`
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel reads and writes these
 
 
 @functools.cache  # asked every step and every layer: the environment is read once
@@ -35,7 +36,8 @@ def runs_on(device: torch.device, block_size: int) -> bool:
 
 
 def paged_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads * head_dim], the requests' queries in order
+    q: torch.Tensor,  # [num_tokens, num_heads * head_dim], the requests' queries in order (rows
+    # may be strided: a view of the fused qkv output)
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, slot_dim]
     block_tables: torch.Tensor,  # [B, max_blocks] int64
     context_lens: torch.Tensor,  # [B] int64
@@ -45,8 +47,9 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
     ext = kernel()
     assert ext is not None, "check runs_on() first"
-    out = ext.paged_attention(
-        q.float().contiguous(),
+    rows = q if q.dtype in QUERY_DTYPES else q.float()
+    out: torch.Tensor = ext.paged_attention(
+        rows if rows.stride(-1) == 1 else rows.contiguous(),
         kv_cache[0],
         kv_cache[1],
         block_tables,

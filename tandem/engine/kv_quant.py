@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tandem.engine import layer_ops
+
 if TYPE_CHECKING:
     from tandem.engine.models.config import ModelConfig
 
@@ -92,6 +94,8 @@ def select_slots(cache: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Te
 
 def copy_slots(cache: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """`cache.index_copy_(dim, index, src)` as a byte copy; `src` has the cache's dtype."""
+    if dim == 0 and src.dtype == cache.dtype and layer_ops.scatter_rows(cache, index, src):
+        return
     raw, src_raw = cache.view(torch.uint8), src.view(torch.uint8)
     if raw.device.type == "cpu":
         raw.numpy()[(slice(None),) * dim + (index.numpy(),)] = src_raw.numpy()

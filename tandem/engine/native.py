@@ -28,8 +28,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "copy_rows.cpp", "bindings.cpp")
-HEADERS = ("native.h",)
+SOURCES = ("paged_attention.cpp", "copy_rows.cpp", "layer_ops.cpp", "bindings.cpp")
+HEADERS = ("native.h", "simd.h")
 NAME = "tandem_native"
 FLAGS = ("-O3", "-march=native", "-fopenmp")
 

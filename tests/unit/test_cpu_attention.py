@@ -99,3 +99,24 @@ def test_backend_routes_steps(num_seqs: int, query_len: int, kernel: bool) -> No
 
 def test_blocks_larger_than_the_kernel_takes_go_to_sdpa() -> None:
     assert not cpu_attention.runs_on(torch.device("cpu"), cpu_attention.MAX_BLOCK_SIZE + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_strided_queries_in_their_own_dtype(dtype: torch.dtype) -> None:
+    """q as the attention layer hands it over: a view of the fused qkv rows, in the model dtype;
+    the output comes in that dtype and equals the float32 queries' output, rounded."""
+    torch.manual_seed(0)
+    block_size, shapes = 16, [(37, 1), (70, 6), (0, 1)]
+    tables = [[3, 4, 5], [6, 7, 8, 9, 10], [11]]
+    seqs = [SeqSpec(c, n, t) for (c, n), t in zip(shapes, tables, strict=True)]
+    cache = torch.randn(2, 12, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    qkv = torch.randn(8, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM).to(dtype)
+    q = qkv[:, : NUM_HEADS * HEAD_DIM]
+    g = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size)._batched_group(
+        seqs, torch.device("cpu")
+    )
+    args = (cache, g.block_tables, g.context_lens, g.query_starts, HEAD_DIM, HEAD_DIM**-0.5)
+    got = cpu_attention.paged_attention(q, *args)
+    want = cpu_attention.paged_attention(q.float().contiguous(), *args)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want.to(dtype), atol=0, rtol=0)

@@ -6,10 +6,16 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "short-query attention over a paged KV cache (float32 queries and output)");
+        "short-query attention over a paged KV cache (output in the queries' dtype)");
   m.def("copy_rows", &copy_rows,
         "dst[dst_rows] = src[src_rows] over whole rows of bytes (None: the rows in order), "
         "consecutive rows as one copy; stream: non-temporal stores",
         pybind11::arg("dst"), pybind11::arg("dst_rows"), pybind11::arg("src"),
         pybind11::arg("src_rows"), pybind11::arg("row_bytes"), pybind11::arg("stream") = false);
+  m.def("rms_norm", &rms_norm, "RMSNorm of x's rows (x += delta first, in place, when given)",
+        pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
+        pybind11::arg("dtype"));
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
+  m.def("rotary", &rotary, "RoPE of q's and k's heads in place (rotate-half convention)");
+  m.def("scatter_rows", &scatter_rows, "dst[index[i]] = src[i] over whole rows");
 }

@@ -20,3 +20,16 @@ using RowIndex = pybind11::array_t<int64_t, pybind11::array::c_style | pybind11:
 void copy_rows(pybind11::buffer dst, std::optional<RowIndex> dst_rows,
                pybind11::buffer src, std::optional<RowIndex> src_rows,
                int64_t row_bytes, bool stream);
+
+// The elementwise work of a decoder layer (layer_ops.cpp): 2-D float32 / bfloat16 / float16
+// tensors, rows at any stride.
+// RMSNorm of x's rows into a new tensor of `dtype`; with `delta`, x (float32) += delta first.
+torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor weight,
+                       double eps, torch::ScalarType dtype);
+// silu(gate) * up for gate_up = [gate | up] along the columns.
+torch::Tensor silu_mul(torch::Tensor gate_up);
+// RoPE (rotate-half convention) of q's and k's heads in place, cos / sin [rows, head_dim].
+void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
+            int64_t head_dim);
+// dst[index[i]] = src[i] over whole rows (KV slots), same element size.
+void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src);

@@ -11,6 +11,7 @@
 // codes followed by the 4 bytes of their float32 scale (tandem/engine/kv_quant.py).
 
 #include "native.h"
+#include "simd.h"
 
 #include <torch/extension.h>
 
@@ -26,6 +27,7 @@
 namespace {
 
 constexpr int64_t kMaxBlockSize = 64;
+static_assert(kMaxBlockSize % simd::kWidth == 0, "score rows are whole registers");
 
 // One slot of `head_dim` values as float32.
 template <typename T>
@@ -58,35 +60,48 @@ struct QuantizedSlot {
   }
 };
 
-constexpr int kLanes = 16;  // one AVX-512 register of float32; the loops below vectorize to it
-
-// a . b: lane-wise partial sums, then a tree over the lanes (an in-order sum of the lanes, what
-// a plain vectorized reduction does, is a chain of kLanes dependent adds).
+// a . b over n floats: a register of products per kWidth elements, summed once at the end.
 inline float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
+  simd::Vec lanes = {};
   int64_t e = 0;
-  for (; e + kLanes <= n; e += kLanes)
-    for (int j = 0; j < kLanes; ++j) lanes[j] += a[e + j] * b[e + j];
+  for (; e + simd::kWidth <= n; e += simd::kWidth) lanes += simd::load(a + e) * simd::load(b + e);
   float tail = 0.0f;
   for (; e < n; ++e) tail += a[e] * b[e];
-  for (int width = kLanes / 2; width > 0; width /= 2)
-    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-  return lanes[0] + tail;
+  return simd::sum(lanes) + tail;
 }
 
-// acc += sum_t p[t] * values[t * stride ..], a register of acc at a time held over every t.
-inline void weighted_sum(float* acc, const float* p, const float* values, int64_t count,
-                         int64_t stride, int64_t n) {
+// acc = acc * rescale + sum_t p[t] * values[t * stride ..], over n floats. Four registers of
+// acc at a time are held over every t: four independent chains of multiply-adds, not one.
+inline void weighted_sum(float* acc, float rescale, const float* p, const float* values,
+                         int64_t count, int64_t stride, int64_t n) {
+  using simd::kWidth;
+  using simd::load;
   int64_t e = 0;
-  for (; e + kLanes <= n; e += kLanes) {
-    float lanes[kLanes];
-    for (int j = 0; j < kLanes; ++j) lanes[j] = acc[e + j];
-    for (int64_t t = 0; t < count; ++t)
-      for (int j = 0; j < kLanes; ++j) lanes[j] += p[t] * values[t * stride + e + j];
-    for (int j = 0; j < kLanes; ++j) acc[e + j] = lanes[j];
+  for (; e + 4 * kWidth <= n; e += 4 * kWidth) {
+    simd::Vec a0 = load(acc + e) * rescale, a1 = load(acc + e + kWidth) * rescale,
+              a2 = load(acc + e + 2 * kWidth) * rescale, a3 = load(acc + e + 3 * kWidth) * rescale;
+    for (int64_t t = 0; t < count; ++t) {
+      const float* v = values + t * stride + e;
+      a0 += p[t] * load(v);
+      a1 += p[t] * load(v + kWidth);
+      a2 += p[t] * load(v + 2 * kWidth);
+      a3 += p[t] * load(v + 3 * kWidth);
+    }
+    simd::store(acc + e, a0);
+    simd::store(acc + e + kWidth, a1);
+    simd::store(acc + e + 2 * kWidth, a2);
+    simd::store(acc + e + 3 * kWidth, a3);
   }
-  for (; e < n; ++e)
-    for (int64_t t = 0; t < count; ++t) acc[e] += p[t] * values[t * stride + e];
+  for (; e + kWidth <= n; e += kWidth) {
+    simd::Vec a = load(acc + e) * rescale;
+    for (int64_t t = 0; t < count; ++t) a += p[t] * load(values + t * stride + e);
+    simd::store(acc + e, a);
+  }
+  for (; e < n; ++e) {
+    float a = acc[e] * rescale;
+    for (int64_t t = 0; t < count; ++t) a += p[t] * values[t * stride + e];
+    acc[e] = a;
+  }
 }
 
 // Softmax state of one row over part of its context: running maximum `m`, sum of
@@ -109,7 +124,7 @@ void attend_blocks(const float* qbuf, const T* key_cache, const T* value_cache,
   const int64_t rows = qlen * num_heads;
   const int64_t token_stride = num_kv_heads * slot_dim;
   const int64_t block_stride = block_size * token_stride;
-  float s[kMaxBlockSize];
+  float s[kMaxBlockSize] = {};  // a multiple of simd::kWidth
   for (int64_t blk = first_block; blk < end_block; ++blk) {
     const int64_t start = blk * block_size;
     const int64_t n = std::min(block_size, ctx - start);
@@ -141,33 +156,69 @@ void attend_blocks(const float* qbuf, const T* key_cache, const T* value_cache,
         s[t] = dot(qr, keys.data() + (t * num_kv_heads + h) * head_dim, head_dim);
       const float m_new = std::max(part.m[r], *std::max_element(s, s + visible));
       const float rescale = std::exp(part.m[r] - m_new);  // 0 for the first block
+      for (int64_t t = 0; t < visible; t += simd::kWidth)  // lanes past `visible` go unused
+        simd::store(s + t, simd::exp(simd::load(s + t) - m_new));
       float sum = 0.0f;
-      for (int64_t t = 0; t < visible; ++t) {
-        s[t] = std::exp(s[t] - m_new);
-        sum += s[t];
-      }
-      float* a = part.acc + r * head_dim;
-#pragma omp simd
-      for (int64_t e = 0; e < head_dim; ++e) a[e] *= rescale;
-      weighted_sum(a, s, values.data() + h * head_dim, visible, num_kv_heads * head_dim, head_dim);
+      for (int64_t t = 0; t < visible; ++t) sum += s[t];
+      weighted_sum(part.acc + r * head_dim, rescale, s, values.data() + h * head_dim, visible,
+                   num_kv_heads * head_dim, head_dim);
       part.l[r] = part.l[r] * rescale + sum;
       part.m[r] = m_new;
     }
   }
 }
 
+// Query or output rows of a 2-D tensor whose rows may be strided (q is a view of the fused qkv
+// projection's output): float32, bfloat16 or float16, read and written as float32.
+class Rows {
+ public:
+  explicit Rows(const torch::Tensor& t)
+      : base_(static_cast<char*>(t.data_ptr())),
+        stride_(t.stride(0) * t.element_size()),
+        dtype_(t.scalar_type()) {}
+
+  void get(int64_t row, int64_t n, float scale, float* dst) const {
+    switch (dtype_) {
+      case torch::kFloat32: return convert(reinterpret_cast<const float*>(at(row)), n, scale, dst);
+      case torch::kBFloat16:
+        return convert(reinterpret_cast<const c10::BFloat16*>(at(row)), n, scale, dst);
+      default: return convert(reinterpret_cast<const c10::Half*>(at(row)), n, scale, dst);
+    }
+  }
+
+  void put(int64_t row, int64_t n, const float* src) const {
+    switch (dtype_) {
+      case torch::kFloat32: return convert(src, n, 1.0f, reinterpret_cast<float*>(at(row)));
+      case torch::kBFloat16:
+        return convert(src, n, 1.0f, reinterpret_cast<c10::BFloat16*>(at(row)));
+      default: return convert(src, n, 1.0f, reinterpret_cast<c10::Half*>(at(row)));
+    }
+  }
+
+ private:
+  template <typename From, typename To>
+  static void convert(const From* src, int64_t n, float scale, To* dst) {
+    for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<To>(static_cast<float>(src[e]) * scale);
+  }
+  char* at(int64_t row) const { return base_ + row * stride_; }
+
+  char* base_;
+  int64_t stride_;
+  torch::ScalarType dtype_;
+};
+
 // A task is a run of one request's blocks. A request gets several (split-K, as flash-decoding)
 // when there are fewer requests than twice the threads, so a batch of one uses every core; its
 // partial results merge at the end. The split depends on the batch size and context length only.
 template <typename T, typename Slot>
 void attend(
-    const float* q,              // [num_tokens, num_heads * head_dim]
+    const Rows& q,               // [num_tokens, num_heads * head_dim]
     const T* key_cache,          // [num_blocks, block_size, num_kv_heads, slot_dim]
     const T* value_cache,        // same
     const int64_t* block_tables, // [batch, max_blocks]
     const int64_t* context_lens, // [batch]
     const int64_t* query_starts, // [batch + 1]
-    float* out,                  // [num_tokens, num_heads * head_dim]
+    const Rows& out,             // [num_tokens, num_heads * head_dim], q's dtype
     int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t slot_dim, float scale) {
   const int64_t row_stride = num_heads * head_dim;  // of q and out: one query token
@@ -201,7 +252,7 @@ void attend(
       const int64_t q0 = query_starts[task.b];
       const int64_t qlen = query_starts[task.b + 1] - q0;
       qbuf.resize(qlen * row_stride);
-      for (int64_t e = 0; e < qlen * row_stride; ++e) qbuf[e] = q[q0 * row_stride + e] * scale;
+      for (int64_t i = 0; i < qlen; ++i) q.get(q0 + i, row_stride, scale, &qbuf[i * row_stride]);
       Partial part{m.data() + task.state, l.data() + task.state,
                    acc.data() + task.state * head_dim};
       attend_blocks<T, Slot>(qbuf.data(), key_cache, value_cache,
@@ -210,6 +261,7 @@ void attend(
                              num_kv_heads, head_dim, slot_dim, part, keys, values);
     }
   });
+  std::vector<float> merged(row_stride);  // one query token's output
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t q0 = query_starts[b];
     const int64_t rows = (query_starts[b + 1] - q0) * num_heads;
@@ -218,7 +270,7 @@ void attend(
       for (int64_t k = first_task[b]; k < first_task[b + 1]; ++k)
         m_max = std::max(m_max, m[tasks[k].state + r]);
       float denom = 0.0f;
-      float* dst = out + q0 * row_stride + r * head_dim;  // rows follow q's layout
+      float* dst = merged.data() + (r % num_heads) * head_dim;  // rows follow q's layout
       std::fill(dst, dst + head_dim, 0.0f);
       for (int64_t k = first_task[b]; k < first_task[b + 1]; ++k) {
         const int64_t st = tasks[k].state + r;
@@ -230,6 +282,7 @@ void attend(
       }
       const float inv = 1.0f / denom;
       for (int64_t e = 0; e < head_dim; ++e) dst[e] *= inv;
+      if (r % num_heads == num_heads - 1) out.put(q0 + r / num_heads, row_stride, merged.data());
     }
   }
 }
@@ -239,10 +292,10 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
          const torch::Tensor& block_tables, const torch::Tensor& context_lens,
          const torch::Tensor& query_starts, torch::Tensor& out, int64_t num_kv_heads,
          int64_t head_dim, double scale) {
-  attend<T, Slot>(q.data_ptr<float>(), reinterpret_cast<const T*>(key_cache.data_ptr()),
+  attend<T, Slot>(Rows(q), reinterpret_cast<const T*>(key_cache.data_ptr()),
                   reinterpret_cast<const T*>(value_cache.data_ptr()),
                   block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
-                  query_starts.data_ptr<int64_t>(), out.data_ptr<float>(), block_tables.size(0),
+                  query_starts.data_ptr<int64_t>(), Rows(out), block_tables.size(0),
                   block_tables.size(1), key_cache.size(1), q.size(1) / head_dim, num_kv_heads,
                   head_dim, key_cache.size(3), static_cast<float>(scale));
 }
@@ -252,8 +305,12 @@ void run(const torch::Tensor& q, const torch::Tensor& key_cache, const torch::Te
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor context_lens,
                               torch::Tensor query_starts, int64_t head_dim, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == torch::kFloat32 && q.is_contiguous(),
-              "q: contiguous float32 on CPU");
+  const auto qtype = q.scalar_type();
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.stride(1) == 1 &&
+                  (qtype == torch::kFloat32 || qtype == torch::kBFloat16 ||
+                   qtype == torch::kFloat16),
+              "q: float32, bfloat16 or float16 rows on CPU, [num_tokens, num_heads * head_dim] "
+              "with unit stride within a row");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   key_cache.sizes() == value_cache.sizes(),
               "key/value cache: contiguous [num_blocks, block_size, num_kv_heads, slot_dim]");
@@ -266,7 +323,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::T
   TORCH_CHECK(key_cache.size(1) <= kMaxBlockSize, "block_size at most ", kMaxBlockSize);
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK((q.size(1) / head_dim) % num_kv_heads == 0, "query heads per KV head");
-  auto out = torch::empty_like(q);
+  auto out = torch::empty(q.sizes(), q.options());
   switch (key_cache.scalar_type()) {
     case torch::kFloat32:
       run<float, FloatSlot<float>>(q, key_cache, value_cache, block_tables, context_lens,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import layer_ops
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.linear import Linear, linear
@@ -34,8 +35,16 @@ class RMSNorm(nn.Module):
         self.out_dtype = out_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)
+        if x.dim() == 2:
+            return layer_ops.rms_norm(x, self.weight, self.eps, self.out_dtype)
+        y = F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps)  # q / k norms per head
         return y.to(self.out_dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + delta (in place where fused) and its norm, for the float32 residual stream x."""
+        return layer_ops.add_rms_norm(x, delta, self.weight, self.eps, self.out_dtype)
 
 
 class Attention(nn.Module):
@@ -92,8 +101,7 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -117,8 +125,10 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x may take the attention output in place (the fused add): the caller hands it over
+        attn = self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, meta)
+        x, h = self.post_attention_layernorm.add_forward(x, attn)
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

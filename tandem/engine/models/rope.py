@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tandem.engine import layer_ops, native
+
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """[head_dim // 2] float32 inverse frequencies, after `rope_scaling` if the config has one."""
@@ -68,7 +70,15 @@ def apply_rotary(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated; on CPU with the native extension, in place (one call for both, float32
+    arithmetic, `csrc/layer_ops.cpp`), else by torch ops into new tensors."""
     cos, sin = cos_sin
+    ext = native.extension()
+    n, d = q.shape[0], q.shape[-1]
+    rows_of_heads = q.stride(-2) == d and k.stride(-2) == d  # [n, heads * d] views of them
+    if ext is not None and q.dtype == k.dtype and rows_of_heads and layer_ops.takes(q, k, cos, sin):
+        ext.rotary(q.view(n, -1), k.view(n, -1), cos.view(n, d), sin.view(n, d), d)
+        return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -180,6 +180,15 @@ class Int4Linear(nn.Module):
         return dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if (  # a decode step's rows: straight to the kernel (per-call overhead counts here)
+            x.dim() == 2
+            and x.shape[0] <= KERNEL_MAX_TOKENS
+            and x.dtype == KERNEL_DTYPE
+            and self.use_kernel
+            and self.packed is not None
+            and self.bias is None
+        ):
+            return _mm(x, self.packed, self.group_size, self.scales_and_zeros)
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
         if self.packed is not None and self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:
             xk = x2.to(KERNEL_DTYPE)

@@ -1,0 +1,58 @@
+// Sixteen float32 lanes through GCC / Clang vector extensions, for the CPU kernels.
+//
+// The compiler maps a `Vec` to one AVX-512 register, two AVX2 ones or four NEON ones, so the
+// kernels are written once, without intrinsics, and built with -march=native. Loads and stores
+// go through memcpy (unaligned moves); arithmetic between a Vec and a float broadcasts it.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace simd {
+
+constexpr int kWidth = 16;
+
+typedef float Vec __attribute__((vector_size(kWidth * sizeof(float))));
+typedef int32_t IVec __attribute__((vector_size(kWidth * sizeof(int32_t))));
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
+
+// The sum of the lanes, folded in halves (a tree, not a chain of 15 dependent adds).
+inline float sum(Vec v) {
+  typedef float Half __attribute__((vector_size(sizeof(Vec) / 2)));
+  typedef float Quarter __attribute__((vector_size(sizeof(Vec) / 4)));
+  const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
+                    __builtin_shufflevector(h, h, 4, 5, 6, 7);
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// e^x lane by lane, for x <= 88: e^x = 2^n e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2],
+// e^r by Cephes' expf polynomial (about 1 ulp). x below -87 gives e^-87 (~1e-38), not 0.
+inline Vec exp(Vec x) {
+  const Vec lowest = Vec{} - 87.0f;
+  x = x < lowest ? lowest : x;
+  const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const Vec shifted = x * 1.44269504088896341f + kRound;
+  const Vec n = shifted - kRound;
+  const Vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  // 2^n from n's bits: the integer n sits in the low bits of `shifted`.
+  const IVec bits = (((IVec)shifted - 0x4B400000) + 127) << 23;
+  return p * (Vec)bits;
+}
+
+}  // namespace simd

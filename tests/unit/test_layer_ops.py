@@ -1,0 +1,150 @@
+"""The fused elementwise ops of a decoder layer (`csrc/layer_ops.cpp`) equal the torch ops they
+replace: RMSNorm with and without the residual add, SiLU-and-multiply, RoPE on strided views of
+the fused qkv output, and the KV slot scatter; bad shapes are refused, and autograd keeps the
+torch path."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine import layer_ops, native
+from tandem.engine.models import rope
+
+# float32 agrees to the summation order; a 16-bit output to its rounding of the same float32 value
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+DTYPES = list(TOLERANCE)
+
+
+@pytest.fixture(scope="module")
+def ext() -> ModuleType:
+    module = native.extension()
+    assert module is not None, "the native extension did not build (see the log)"
+    return module
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm(
+    ext: ModuleType, in_dtype: torch.dtype, out_dtype: torch.dtype, rows: int
+) -> None:
+    torch.manual_seed(0)
+    x = (torch.randn(rows, 96) * 30).to(in_dtype)
+    weight = torch.rand(96) + 0.5
+    got = layer_ops.rms_norm(x, weight, 1e-5, out_dtype)
+    want = F.rms_norm(x.float(), (96,), weight, 1e-5).to(out_dtype)
+    _close(got, want, out_dtype if out_dtype != torch.float32 else in_dtype)
+
+
+@pytest.mark.parametrize("delta_dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual_in_place(
+    ext: ModuleType, delta_dtype: torch.dtype
+) -> None:
+    torch.manual_seed(1)
+    x = torch.randn(5, 64) * 100
+    delta = torch.randn(5, 64).to(delta_dtype)
+    weight = torch.rand(64)
+    want_x = x + delta.float()
+    want = F.rms_norm(want_x, (64,), weight, 1e-6).to(torch.bfloat16)
+    new_x, normed = layer_ops.add_rms_norm(x, delta, weight, 1e-6, torch.bfloat16)
+    assert new_x is x  # the residual stream took the sum in place
+    torch.testing.assert_close(x, want_x, atol=0, rtol=0)  # the same float32 adds
+    _close(normed, want, torch.bfloat16)
+
+
+def test_autograd_keeps_the_torch_path() -> None:
+    """Training (spec train) backpropagates through the layer: no in-place add, gradients flow."""
+    x = torch.randn(4, 32, requires_grad=True)
+    delta = torch.randn(4, 32, requires_grad=True)
+    weight = torch.rand(32, requires_grad=True)
+    new_x, normed = layer_ops.add_rms_norm(x, delta, weight, 1e-5, torch.float32)
+    gate_up = torch.randn(4, 16, requires_grad=True)
+    (normed.sum() + new_x.sum() + layer_ops.silu_mul(gate_up).sum()).backward()
+    assert new_x is not x
+    for t in (x, delta, weight, gate_up):
+        assert t.grad is not None and torch.isfinite(t.grad).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 33])
+def test_silu_mul(ext: ModuleType, dtype: torch.dtype, rows: int) -> None:
+    torch.manual_seed(2)
+    gate_up = (torch.randn(rows, 2 * 72) * 4).to(dtype)  # 72: a tail past the 16-lane registers
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = (F.silu(gate) * up).to(dtype)
+    _close(layer_ops.silu_mul(gate_up), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_qkv_views(ext: ModuleType, dtype: torch.dtype) -> None:
+    """q and k are strided views of one qkv row (as the attention layer splits it); v and the
+    gaps between them stay untouched."""
+    torch.manual_seed(3)
+    n, heads, kv_heads, d = 7, 6, 2, 32
+    emb = rope.RotaryEmbedding(d, 512, 10000.0, None, dtype, torch.device("cpu"))
+    cos_sin = emb(torch.tensor([0, 1, 5, 100, 101, 300, 511]))
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d).to(dtype)
+    before = qkv.clone()
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(n, heads, d), k.view(n, kv_heads, d)
+    ref_q, ref_k = q.double(), k.double()
+    cos, sin = (t.double() for t in cos_sin)
+    half = lambda x: torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)  # noqa: E731
+    want_q, want_k = ref_q * cos + half(ref_q) * sin, ref_k * cos + half(ref_k) * sin
+    got_q, got_k = rope.apply_rotary(q, k, cos_sin)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+    _close(got_q, want_q.to(dtype), dtype)
+    _close(got_k, want_k.to(dtype), dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
+
+
+def test_rotary_matches_the_torch_ops(ext: ModuleType) -> None:
+    """The fused rotation and the torch fallback agree (float32) on a contiguous tensor."""
+    torch.manual_seed(4)
+    emb = rope.RotaryEmbedding(64, 256, 10000.0, None, torch.float32, torch.device("cpu"))
+    cos_sin = emb(torch.arange(9) * 20)
+    q, k = torch.randn(9, 3, 64), torch.randn(9, 1, 64)
+    want_q = q * cos_sin[0] + rope._rotate_half(q) * cos_sin[1]
+    want_k = k * cos_sin[0] + rope._rotate_half(k) * cos_sin[1]
+    got_q, got_k = rope.apply_rotary(q.clone(), k.clone(), cos_sin)
+    torch.testing.assert_close(got_q, want_q, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_scatter_rows(ext: ModuleType, dtype: torch.dtype) -> None:
+    torch.manual_seed(5)
+    cache = torch.zeros(20, 2, 8).to(dtype)
+    wide = torch.randn(4, 3, 2, 8).to(dtype)
+    src = wide[:, 1]  # rows at a stride, each contiguous
+    index = torch.tensor([7, 0, 19, 3])
+    want = cache.clone().index_copy_(0, index, src)
+    assert layer_ops.scatter_rows(cache, index, src)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_scatter_rows_refuses_an_index_out_of_range_and_writes_nothing(ext: ModuleType) -> None:
+    cache = torch.zeros(4, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        layer_ops.scatter_rows(cache, torch.tensor([1, 4]), torch.ones(2, 8))
+    assert not cache.any()
+
+
+def test_bad_shapes_are_refused(ext: ModuleType) -> None:
+    with pytest.raises(RuntimeError, match="weight"):
+        ext.rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5, torch.float32)
+    with pytest.raises(RuntimeError, match="gate_up"):
+        ext.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="cos"):
+        ext.rotary(torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4), 8)
