@@ -119,10 +119,12 @@ class SpecConfig:
     draft_model: str | None = None  # draft: catalogue name, HF directory or .gguf path
     num_layers: int | None = None  # layerskip: the target's first N layers draft
     path: str | None = None  # medusa / eagle: directory of the trained heads
-    disable_batch_size: int = 32  # no drafts once this many requests run; fewer as it nears
+    # no drafts once this many requests run, fewer as it nears; None: the device's default
+    # (spec/adaptive.py: 32 on CUDA, 4 on CPU)
+    disable_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.disable_batch_size < 1:
+        if self.disable_batch_size is not None and self.disable_batch_size < 1:
             raise ValueError(f"disable_batch_size must be >= 1, got {self.disable_batch_size}")
         if self.method not in (None, *SPEC_METHODS):
             raise ValueError(

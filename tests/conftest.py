@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from tandem import hub
+from tandem.engine import engine as engine_module
+from tandem.engine.spec import adaptive
 
 
 @pytest.fixture(scope="module")
@@ -24,6 +26,21 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(autouse=True)
+def speculate_in_any_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process engines draft up to a batch of 32 whatever the device: the exactness tests
+    speculate in batches of 5, which CPU's default (no drafts from 4 running requests,
+    spec/adaptive.py) would leave undrafted. Worker processes keep the default; the defaults
+    themselves are tested in test_spec_adaptive.py."""
+    monkeypatch.setattr(
+        engine_module,
+        "disable_batch_size",
+        lambda configured, device: (
+            adaptive.DEFAULT_DISABLE_BATCH_SIZE if configured is None else configured
+        ),
+    )
 
 
 @pytest.fixture(scope="session")

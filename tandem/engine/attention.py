@@ -35,12 +35,13 @@ from tandem.engine.kv_quant import copy_slots, decode, encode, is_quantized, sel
 MAX_BATCHED_QUERY_LEN = 16
 # The CPU kernel's work grows with query rows x context (sum of context_len * query_len), SDPA's
 # mostly with the gathered, padded context (batch x longest context). Measured on SmolLM2's heads,
-# bf16, 2 threads, 400-1400-token contexts, per layer, kernel against SDPA: 16 decodes 2.5 ms
-# against 7.3, 16 x 2 queries 4.5 against 9.2, 16 x 6 8.8 against 11.1, 4 x 4 1.6 against 0.9;
-# one request (the kernel splits its context over the threads, SDPA parallelizes over heads only):
-# one decode 0.1 against 0.7, 6 queries 0.7 against 0.9. So the kernel takes a step whose rows x
-# context is at most this many times the padded context, and any lone request.
-KERNEL_WORK_RATIO = 3
+# bf16, 2 threads, 400-1400-token contexts, per layer, kernel against SDPA (the vectorized kernel
+# of 3 Dec): 16 decodes 1.0 ms against 4.4, 16 x 6 queries 3.7 against 6.0, 16 x 16 13.7 against
+# 18.6, 4 x 11 2.2 against 2.9; 4 x 16 3.3 against 3.0 and 2 x 16 2.3 against 1.6 (rows x context
+# 13-14 times the padded context); one request of 6 queries 0.28 against 0.43. So the kernel
+# takes a step whose rows x context is at most this many times the padded context, and any lone
+# request.
+KERNEL_WORK_RATIO = 12
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from tandem.engine.sampler import request_generator
 from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.sim import SimModel, SimProfile, SimRunner
-from tandem.engine.spec.adaptive import num_draft_tokens
+from tandem.engine.spec.adaptive import disable_batch_size, num_draft_tokens
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import make_proposer
 from tandem.engine.spec.proposer import Proposer, StepHidden
@@ -237,7 +237,7 @@ class EngineCore:
                 spec.num_speculative_tokens,
                 req.spec_acceptance,
                 len(running),
-                spec.disable_batch_size,
+                disable_batch_size(spec.disable_batch_size, self.config.model.torch_device),
             )
             k = min(k, room - 1)
             if k > 0:

@@ -86,9 +86,11 @@ def test_split_context_of_a_lone_request(query_len: int) -> None:
 def test_backend_routes_steps(num_seqs: int, query_len: int, kernel: bool) -> None:
     """Decodes and a lone request take the kernel; a batch of long queries takes SDPA."""
     backend = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, 16)
-    seqs = [SeqSpec(8, query_len, [0, 1]), SeqSpec(3, query_len, [2])][:num_seqs]
+    # equal contexts: rows x context over the padded context is the query length
+    seqs = [SeqSpec(40, query_len, [0, 1, 2, 3]), SeqSpec(40, query_len, [4, 5, 6, 7])]
+    seqs = seqs[:num_seqs]
     group = backend._batched_group(seqs, torch.device("cpu"))
-    cache = torch.randn(2, 4, 16, NUM_KV_HEADS, HEAD_DIM)
+    cache = torch.randn(2, 8, 16, NUM_KV_HEADS, HEAD_DIM)
     q = torch.randn(num_seqs * query_len, NUM_HEADS * HEAD_DIM)
     with mock.patch.object(
         cpu_attention, "paged_attention", wraps=cpu_attention.paged_attention

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.spec.adaptive import num_draft_tokens, update_acceptance
+from tandem.engine.spec.adaptive import disable_batch_size, num_draft_tokens, update_acceptance
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,3 +83,38 @@ def test_engine_spec_stats_match_request_metrics(tiny_llama_path: Path) -> None:
     assert stats.num_draft_tokens == sum(r.metrics.num_draft_tokens for r in reqs) > 0
     assert stats.num_accepted_tokens == sum(r.metrics.num_accepted_tokens for r in reqs)
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+
+
+def test_disable_batch_size_defaults_by_device() -> None:
+    """CPU stops drafting from 4 running requests (verification stops paying there on a
+    compute-bound CPU), other devices from 32; a configured value wins."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert disable_batch_size(None, cpu) == 4
+    assert disable_batch_size(None, cuda) == 32
+    assert disable_batch_size(7, cpu) == 7 and disable_batch_size(7, cuda) == 7
+    assert [num_draft_tokens(5, 1.0, b, disable_batch_size(None, cpu)) for b in (1, 2, 3, 4)] == [
+        4,
+        3,
+        2,
+        0,
+    ]
+
+
+def test_cpu_engine_stops_drafting_at_its_default(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.undo()  # the shared fixture lets test engines draft in any batch; not here
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    drafted = []
+    for batch in (1, 4):
+        engine = EngineCore(
+            EngineConfig.create(
+                str(tiny_llama_path), speculative=spec, num_blocks=256, block_size=4
+            )
+        )
+        reqs = [engine.add_request(f"r{i}", [5, 6, 7] * 6, params) for i in range(batch)]
+        while engine.has_unfinished():
+            engine.step()
+        drafted.append(sum(r.metrics.num_draft_tokens for r in reqs))
+    assert drafted[0] > 0 and drafted[1] == 0
