@@ -17,11 +17,10 @@ from types import ModuleType
 
 import torch
 
-from tandem.engine import native
+from tandem.engine import layer_ops, native
 
 ENV = "TANDEM_CPU_ATTENTION"  # "sdpa" keeps CPU attention on the portable path
 MAX_BLOCK_SIZE = 64  # the kernel's `kMaxBlockSize`
-QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel reads and writes these
 
 
 @functools.cache  # asked every step and every layer: the environment is read once
@@ -47,7 +46,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] in q's dtype
     ext = kernel()
     assert ext is not None, "check runs_on() first"
-    rows = q if q.dtype in QUERY_DTYPES else q.float()
+    rows = q if q.dtype in layer_ops.NATIVE_DTYPES else q.float()
     out: torch.Tensor = ext.paged_attention(
         rows if rows.stride(-1) == 1 else rows.contiguous(),
         kv_cache[0],

@@ -225,6 +225,7 @@ class EngineCore:
         spec = self.config.spec
         running = self.scheduler.running
         batch: list[tuple[Request, int]] = []
+        no_drafts_from = disable_batch_size(spec.disable_batch_size, self.config.model.torch_device)
         for req in running if requests is None else requests:
             req.spec_token_ids, req.spec_draft_probs = [], None
             if not req.speculative or req.num_tokens - req.num_computed_tokens != 1:
@@ -237,7 +238,7 @@ class EngineCore:
                 spec.num_speculative_tokens,
                 req.spec_acceptance,
                 len(running),
-                disable_batch_size(spec.disable_batch_size, self.config.model.torch_device),
+                no_drafts_from,
             )
             k = min(k, room - 1)
             if k > 0:

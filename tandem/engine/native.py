@@ -1,5 +1,6 @@
-"""The compiled CPU helpers (`csrc/`): paged attention (`cpu_attention.py`) and the KV row copies
-of the transfer planes (`kv_transfer/layout.py`), one extension.
+"""The compiled CPU helpers (`csrc/`): paged attention (`cpu_attention.py`), the fused layer ops
+(`layer_ops.py`, `models/rope.py`) and the KV row copies of the transfer planes
+(`kv_transfer/layout.py`), one extension.
 
 It is built on first use with `torch.utils.cpp_extension` (gcc and ninja, about a minute; `make
 install` builds it) into a folder of `~/.cache/torch_extensions` (or `$TORCH_EXTENSIONS_DIR`)

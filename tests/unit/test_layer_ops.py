@@ -86,6 +86,21 @@ def test_silu_mul(ext: ModuleType, dtype: torch.dtype, rows: int) -> None:
     _close(layer_ops.silu_mul(gate_up), want, dtype)
 
 
+def test_silu_mul_at_large_magnitudes(ext: ModuleType) -> None:
+    """Gates far past exp's float range on both sides, in the vector body and the tail."""
+    gate = torch.linspace(-300, 300, 72).repeat(3, 1)
+    gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1)
+    got = layer_ops.silu_mul(gate_up)
+    torch.testing.assert_close(got, F.silu(gate), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_of_no_tokens(ext: ModuleType) -> None:
+    emb = rope.RotaryEmbedding(16, 8, 10000.0, None, torch.float32, torch.device("cpu"))
+    q, k = torch.empty(0, 2, 16), torch.empty(0, 1, 16)
+    got_q, got_k = rope.apply_rotary(q, k, emb(torch.empty(0, dtype=torch.int64)))
+    assert got_q.shape == (0, 2, 16) and got_k.shape == (0, 1, 16)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_on_qkv_views(ext: ModuleType, dtype: torch.dtype) -> None:
     """q and k are strided views of one qkv row (as the attention layer splits it); v and the

@@ -77,8 +77,10 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torc
               "weight: float32 [", cols, "]");
   if (delta) {
     check_rows(*delta, "delta");
-    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && delta->sizes() == x.sizes(),
-                "a residual update needs a float32 x and a delta of its shape");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 && delta->sizes() == x.sizes() &&
+                    x.stride(0) >= cols,
+                "a residual update needs a float32 x of non-overlapping rows and a delta of its "
+                "shape");
   }
   TORCH_CHECK(is_float(dtype), "dtype: float32, bfloat16 or float16");
   auto out = torch::empty({rows, cols}, x.options().dtype(dtype));
@@ -190,8 +192,8 @@ void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {
                   dst.dim() >= 1 && src.dim() == dst.dim() &&
                   src.element_size() == dst.element_size(),
               "dst: a contiguous CPU tensor; src: rows of the same element size and rank");
-  TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous() &&
-                  index.size(0) == src.size(0),
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == torch::kInt64 &&
+                  index.dim() == 1 && index.is_contiguous() && index.size(0) == src.size(0),
               "index: int64 [", src.size(0), "]");
   for (int64_t d = 1; d < dst.dim(); ++d)
     TORCH_CHECK(src.size(d) == dst.size(d), "src rows must have dst's row shape");

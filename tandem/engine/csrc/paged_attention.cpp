@@ -270,7 +270,7 @@ void attend(
       for (int64_t k = first_task[b]; k < first_task[b + 1]; ++k)
         m_max = std::max(m_max, m[tasks[k].state + r]);
       float denom = 0.0f;
-      float* dst = merged.data() + (r % num_heads) * head_dim;  // rows follow q's layout
+      float* dst = merged.data() + (r % num_heads) * head_dim;  // head r % num_heads of the token
       std::fill(dst, dst + head_dim, 0.0f);
       for (int64_t k = first_task[b]; k < first_task[b + 1]; ++k) {
         const int64_t st = tasks[k].state + r;

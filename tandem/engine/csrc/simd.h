@@ -26,6 +26,7 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
 // The sum of the lanes, folded in halves (a tree, not a chain of 15 dependent adds).
 inline float sum(Vec v) {
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: clang, GCC 12 on
   typedef float Half __attribute__((vector_size(sizeof(Vec) / 2)));
   typedef float Quarter __attribute__((vector_size(sizeof(Vec) / 4)));
   const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -33,13 +34,22 @@ inline float sum(Vec v) {
   const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
                     __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+#else
+  float lanes[kWidth];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int width = kWidth / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return lanes[0];
+#endif
 }
 
-// e^x lane by lane, for x <= 88: e^x = 2^n e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2],
-// e^r by Cephes' expf polynomial (about 1 ulp). x below -87 gives e^-87 (~1e-38), not 0.
+// e^x lane by lane: e^x = 2^n e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2], e^r by
+// Cephes' expf polynomial (about 1 ulp). x is clamped to [-87, 88.37]: below, e^-87 (~1e-38)
+// rather than 0; above, ~3.4e38, the largest float (2^n stays a normal float's exponent).
 inline Vec exp(Vec x) {
-  const Vec lowest = Vec{} - 87.0f;
+  const Vec lowest = Vec{} - 87.0f, highest = Vec{} + 88.3762626647949f;
   x = x < lowest ? lowest : x;
+  x = x > highest ? highest : x;
   const float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer in the low bits
   const Vec shifted = x * 1.44269504088896341f + kRound;
   const Vec n = shifted - kRound;

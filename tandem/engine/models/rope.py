@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tandem.engine import layer_ops, native
+from tandem.engine import layer_ops
 
 
 def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -73,11 +73,14 @@ def apply_rotary(
     """q and k rotated; on CPU with the native extension, in place (one call for both, float32
     arithmetic, `csrc/layer_ops.cpp`), else by torch ops into new tensors."""
     cos, sin = cos_sin
-    ext = native.extension()
     n, d = q.shape[0], q.shape[-1]
-    rows_of_heads = q.stride(-2) == d and k.stride(-2) == d  # [n, heads * d] views of them
-    if ext is not None and q.dtype == k.dtype and rows_of_heads and layer_ops.takes(q, k, cos, sin):
-        ext.rotary(q.view(n, -1), k.view(n, -1), cos.view(n, d), sin.view(n, d), d)
+    # [n, heads * d] views of q and k, a cos / sin row per token
+    fits = q.stride(-2) == d and k.stride(-2) == d and cos.shape[0] == sin.shape[0] == n > 0
+    ext = layer_ops.extension_for(q, k, cos, sin) if fits and q.dtype == k.dtype else None
+    if ext is not None:
+        ext.rotary(
+            q.view(n, q.shape[1] * d), k.view(n, k.shape[1] * d), cos.view(n, d), sin.view(n, d), d
+        )
         return q, k
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
