@@ -10,11 +10,16 @@ torch 2.13; a single row is padded to two, as the matrix-vector route is the slo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 MAX_FEW_ROWS = 8
+
+# A linear layer's product bound to its weights: [rows, in] -> [rows, out] (`row_kernel`).
+RowKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,3 +35,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
+        """The call `forward` makes for 2-D inputs of `dtype`, bound to this layer's tensors, and
+        the most rows it holds for (any); every linear layer of the decoder has this method
+        (`models/decode_plan.py` calls it once, not per step)."""
+        weight, bias = self.weight, self.bias
+        return (lambda x: linear(x, weight, bias)), 1 << 62

@@ -17,6 +17,7 @@ from torch import nn
 
 from tandem.engine import layer_ops
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.models import decode_plan
 from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.linear import Linear, linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
@@ -165,6 +166,14 @@ class LlamaForCausalLM(nn.Module):
         # An int8 copy of the output projection (set by quant/model.py) for the logits of steps
         # of few rows; the float weight stays for embedding lookups and larger steps.
         self.quantized_lm_head: QuantizedLMHead | None = None
+        # The layers of CPU decode steps as flat calls (decode_plan.py), built at the first step;
+        # whatever swaps the layers' modules afterwards calls `drop_decode_plan`.
+        self._decode_plan: decode_plan.DecodePlan | None = None
+        self._decode_plan_built = False
+
+    def drop_decode_plan(self) -> None:
+        """Forget the decode plan (its bound kernels): the next step builds it anew."""
+        self._decode_plan, self._decode_plan_built = None, False
 
     def forward(
         self,
@@ -182,6 +191,11 @@ class LlamaForCausalLM(nn.Module):
         # bfloat16 sums lose the small components (bf16 greedy output degenerated without this).
         x = self.embed_tokens(input_ids).float()
         cos_sin = self.rope(positions)
+        if not self._decode_plan_built:
+            self._decode_plan, self._decode_plan_built = decode_plan.build(self), True
+        plan = self._decode_plan
+        if plan is not None and after_layer is None and plan.covers(meta, x.shape[0]):
+            return self.norm(plan.run(x, cos_sin, kv_caches, meta, num_layers))
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
             x = layer(cos_sin, x, kv_cache, meta)

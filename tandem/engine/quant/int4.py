@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
+
+if TYPE_CHECKING:  # tandem.engine.models imports this module
+    from tandem.engine.models.linear import RowKernel
 
 # Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
 # SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 32 tokens the kernel took
@@ -179,15 +183,27 @@ class Int4Linear(nn.Module):
         sz = self.scales_and_zeros.float()  # [groups, out, 2]
         return dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if (  # a decode step's rows: straight to the kernel (per-call overhead counts here)
-            x.dim() == 2
-            and x.shape[0] <= KERNEL_MAX_TOKENS
-            and x.dtype == KERNEL_DTYPE
+    def _direct(self, dtype: torch.dtype) -> bool:
+        """Whether rows of `dtype` (up to `KERNEL_MAX_TOKENS`) go straight to the kernel."""
+        return (
+            dtype == KERNEL_DTYPE
             and self.use_kernel
             and self.packed is not None
             and self.bias is None
-        ):
+        )
+
+    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
+        """The kernel call bound to this layer's tensors and the most rows `forward` makes it
+        for, where rows of `dtype` go straight to it; else None (`Linear.row_kernel`)."""
+        packed, group, sz = self.packed, self.group_size, self.scales_and_zeros
+        if packed is None or not self._direct(dtype):
+            return None
+        return (lambda x: _mm(x, packed, group, sz)), KERNEL_MAX_TOKENS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        # a decode step's rows: straight to the kernel (per-call overhead counts here)
+        if x.dim() == 2 and x.shape[0] <= KERNEL_MAX_TOKENS and self._direct(x.dtype):
+            assert self.packed is not None
             return _mm(x, self.packed, self.group_size, self.scales_and_zeros)
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
         if self.packed is not None and self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
+
+if TYPE_CHECKING:  # tandem.engine.models imports this module
+    from tandem.engine.models.linear import RowKernel
 
 # Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
 # SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 8 tokens the kernel took 14 ms
@@ -83,14 +87,21 @@ class Int8Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
+    def _direct(self, dtype: torch.dtype) -> bool:
+        """Whether rows of `dtype` (up to `max_kernel_tokens`) go straight to the kernel."""
+        return dtype == KERNEL_DTYPE and self.use_kernel and self.bias is None
+
+    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
+        """The kernel call bound to this layer's tensors and the most rows `forward` makes it
+        for, where rows of `dtype` go straight to it; else None (`Linear.row_kernel`)."""
+        if not self._direct(dtype):
+            return None
+        qweight, scales, mm = self.qweight, self.scales, torch.ops.aten._weight_int8pack_mm
+        return (lambda x: mm(x, qweight, scales)), self.max_kernel_tokens
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if (  # a decode step's rows: straight to the kernel (per-call overhead counts here)
-            x.dim() == 2
-            and x.shape[0] <= self.max_kernel_tokens
-            and x.dtype == KERNEL_DTYPE
-            and self.use_kernel
-            and self.bias is None
-        ):
+        # a decode step's rows: straight to the kernel (per-call overhead counts here)
+        if x.dim() == 2 and x.shape[0] <= self.max_kernel_tokens and self._direct(x.dtype):
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
         x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
         if self.use_kernel and x2.shape[0] <= self.max_kernel_tokens:

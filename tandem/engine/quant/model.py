@@ -65,6 +65,7 @@ def quantize_model(
         raise ValueError(f"direct weights for layers that are not quantized: {sorted(parts)[:4]}")
     output = model.embed_tokens if model.lm_head is None else model.lm_head
     model.quantized_lm_head = quantize_lm_head(output.weight)
+    model.drop_decode_plan()
 
 
 def quantize_linear(

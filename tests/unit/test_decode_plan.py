@@ -1,0 +1,142 @@
+"""The decode plan (`models/decode_plan.py`) computes exactly what the module path computes: the
+same hidden states and the same KV slots, bit for bit, for decodes and verifications, in every
+model dtype and weight format it covers and every KV cache format; steps and models it does not
+cover take the module path."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.engine.attention import AttentionMetadata, SeqSpec, TorchSDPABackend
+from tandem.engine.kv_quant import slot_dim
+from tandem.engine.models import decode_plan, load_model
+from tandem.engine.models.llama import LlamaForCausalLM
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK_SIZE = 4
+CPU = torch.device("cpu")
+
+
+def _model(path: Path, dtype: torch.dtype, quantization: str | None) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return load_model(path, TorchSDPABackend, BLOCK_SIZE, dtype, CPU, quantization)
+
+
+def _step(
+    model: LlamaForCausalLM, shapes: list[tuple[int, int]], cache_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata]:
+    """Seeded token ids, positions, filled KV caches and metadata for requests of (computed
+    tokens, query tokens)."""
+    cfg = model.cfg
+    num_blocks = sum(-(-(c + q) // BLOCK_SIZE) for c, q in shapes) + 2
+    free = list(range(num_blocks))
+    random.Random(0).shuffle(free)
+    seqs = [
+        SeqSpec(c, q, [free.pop() for _ in range(-(-(c + q) // BLOCK_SIZE))]) for c, q in shapes
+    ]
+    gen = torch.Generator().manual_seed(1)
+    shape = (2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, slot_dim(cache_dtype, cfg.head_dim))
+    if cache_dtype.is_floating_point and cache_dtype.itemsize > 1:
+        caches = [torch.randn(shape, generator=gen).to(cache_dtype) for _ in model.layers]
+    else:  # quantized slots: random values, then scales of ~0.01 written by a real encode
+        from tandem.engine.kv_quant import encode
+
+        raw = (2, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim)
+        caches = [encode(torch.randn(raw, generator=gen), cache_dtype) for _ in model.layers]
+    positions = torch.tensor([p for c, q in shapes for p in range(c, c + q)])
+    ids = torch.randint(0, cfg.vocab_size, (len(positions),), generator=gen)
+    return ids, positions, caches, model.backend.build_metadata(seqs, CPU)
+
+
+def _module_path(
+    model: LlamaForCausalLM,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    x = model.embed_tokens(ids).float()
+    cos_sin = model.rope(positions)
+    for layer, cache in zip(model.layers, caches, strict=True):
+        x = layer(cos_sin, x, cache, meta)
+    return model.norm(x)
+
+
+CASES = [
+    (torch.float32, None, torch.float32),
+    (torch.bfloat16, None, torch.bfloat16),
+    (torch.bfloat16, "int8", torch.bfloat16),
+    (torch.bfloat16, "int4", torch.bfloat16),
+    (torch.bfloat16, "int4", torch.int8),
+    (torch.float32, None, torch.int8),
+]
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "cache_dtype"), CASES)
+@pytest.mark.parametrize(
+    "shapes",
+    [[(9, 1)], [(3, 1), (17, 1), (6, 1)], [(11, 4), (5, 1), (22, 3)]],
+    ids=["one decode", "three decodes", "verifications"],
+)
+def test_plan_equals_the_module_path(
+    tiny_llama_path: Path,
+    dtype: torch.dtype,
+    quantization: str | None,
+    cache_dtype: torch.dtype,
+    shapes: list[tuple[int, int]],
+) -> None:
+    model = _model(tiny_llama_path, dtype, quantization)
+    plan = decode_plan.build(model)
+    assert plan is not None, "the plan covers this model"
+    ids, positions, caches, meta = _step(model, shapes, cache_dtype)
+    assert meta.batched is not None and meta.batched.kernel
+    planned_caches = [c.clone() for c in caches]
+    with torch.inference_mode():
+        assert plan.covers(meta, len(ids))
+        want = _module_path(model, ids, positions, caches, meta)
+        got = model(ids, positions, planned_caches, meta)  # takes the plan
+    assert torch.equal(got, want)
+    for planned, cache in zip(planned_caches, caches, strict=True):
+        assert torch.equal(planned.view(torch.uint8), cache.view(torch.uint8))
+
+
+def test_the_first_layers_of_a_layer_skip_draft(tiny_llama_path: Path) -> None:
+    model = _model(tiny_llama_path, torch.bfloat16, "int4")
+    ids, positions, caches, meta = _step(model, [(7, 1), (13, 2)], torch.bfloat16)
+    with torch.inference_mode():
+        x = model.embed_tokens(ids).float()
+        want = model.norm(model.layers[0](model.rope(positions), x, caches[0].clone(), meta))
+        got = model(ids, positions, caches[:1], meta, num_layers=1)
+    assert torch.equal(got, want)
+
+
+def test_steps_and_models_it_does_not_cover(tiny_llama_path: Path) -> None:
+    model = _model(tiny_llama_path, torch.float32, None)
+    plan = decode_plan.build(model)
+    assert plan is not None
+    _, _, _, prefill = _step(model, [(0, 20)], torch.float32)  # a prefill chunk
+    assert not plan.covers(prefill, 20)
+    _, _, _, decode = _step(model, [(9, 1)], torch.float32)
+    with torch.inference_mode():
+        assert plan.covers(decode, 1)
+    assert not plan.covers(decode, 1), "autograd runs the module path"
+    # float32 activations do not go straight to the quantized kernels: no plan
+    assert decode_plan.build(_model(tiny_llama_path, torch.float32, "int4")) is None
+
+
+def test_quantizing_a_model_drops_its_plan(tiny_llama_path: Path) -> None:
+    from tandem.engine.quant.model import quantize_model
+
+    model = _model(tiny_llama_path, torch.bfloat16, None)
+    ids, positions, caches, meta = _step(model, [(9, 1)], torch.bfloat16)
+    with torch.inference_mode():
+        model(ids, positions, [c.clone() for c in caches], meta)  # builds the dense plan
+        quantize_model(model, "int8")
+        got = model(ids, positions, [c.clone() for c in caches], meta)
+        want = _module_path(model, ids, positions, caches, meta)
+    assert torch.equal(got, want)
