@@ -66,7 +66,7 @@ from tandem.bench.engine import (
     target_result,
 )
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
-from tandem.config import DEFAULT_MODEL, QUANT_GROUP_SIZES, QUANT_METHODS
+from tandem.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANT_METHODS
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -93,6 +93,7 @@ class QuantBenchConfig:
     model: str = DEFAULT_MODEL
     formats: tuple[str, ...] = FORMATS
     group_size: int = 32  # int4
+    kv_cache_dtype: str = "auto"  # of every Tandem engine: "auto" (bfloat16) | "int8" | "fp8"
     num_speculative_tokens: int = 5
     batch_sizes: tuple[int, ...] = (1, 16)
     prompts: int = 3  # batch-1 prompts per round, one at a time
@@ -115,6 +116,11 @@ class QuantBenchConfig:
         if self.group_size not in QUANT_GROUP_SIZES:
             raise ValueError(
                 f"group_size must be one of {list(QUANT_GROUP_SIZES)}, got {self.group_size}"
+            )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
@@ -220,6 +226,7 @@ class EngineSide:
             max_num_seqs=max(config.batch_sizes),
             quantization=None if fmt == BF16 else fmt,
             quant_group_size=config.group_size,
+            kv_cache_dtype=config.kv_cache_dtype,
             speculative=None
             if spec == SPEC_OFF
             else {"method": NGRAM, "num_speculative_tokens": config.num_speculative_tokens},

@@ -24,6 +24,9 @@ def bench_quant(
         "bf16,int8,int4"
     ),
     group_size: Annotated[int, typer.Option(help="int4: input channels per group.")] = 32,
+    kv_cache_dtype: Annotated[
+        str, typer.Option(help="KV cache of every Tandem engine: auto (bfloat16), int8, fp8.")
+    ] = "auto",
     num_spec_tokens: Annotated[int, typer.Option(help="n-gram draft tokens per step (k).")] = 5,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,16",
     prompts: Annotated[int, typer.Option(help="Batch-1 prompts per round, one at a time.")] = 3,
@@ -52,6 +55,7 @@ def bench_quant(
             model=model,
             formats=names(formats),
             group_size=group_size,
+            kv_cache_dtype=kv_cache_dtype,
             num_speculative_tokens=num_spec_tokens,
             batch_sizes=tuple(int(b) for b in names(batch_sizes)),
             prompts=prompts,

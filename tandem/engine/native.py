@@ -1,6 +1,6 @@
 """The compiled CPU helpers (`csrc/`): paged attention (`cpu_attention.py`), the fused layer ops
-(`layer_ops.py`, `models/rope.py`) and the KV row copies of the transfer planes
-(`kv_transfer/layout.py`), one extension.
+(`layer_ops.py`, `models/rope.py`), the int4 / int8 few-row products (`quant/tiles.py`) and the
+KV row copies of the transfer planes (`kv_transfer/layout.py`), one extension.
 
 It is built on first use with `torch.utils.cpp_extension` (gcc and ninja, about a minute; `make
 install` builds it) into a folder of `~/.cache/torch_extensions` (or `$TORCH_EXTENSIONS_DIR`)
@@ -29,7 +29,13 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("paged_attention.cpp", "copy_rows.cpp", "layer_ops.cpp", "bindings.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "copy_rows.cpp",
+    "layer_ops.cpp",
+    "quant_gemm.cpp",
+    "bindings.cpp",
+)
 HEADERS = ("native.h", "simd.h")
 NAME = "tandem_native"
 FLAGS = ("-O3", "-march=native", "-fopenmp")

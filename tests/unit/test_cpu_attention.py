@@ -35,9 +35,15 @@ def built() -> None:
 
 
 def _run(
-    shapes: list[tuple[int, int]], cache_dtype: torch.dtype, dtype: torch.dtype, block_size: int
+    shapes: list[tuple[int, int]],
+    cache_dtype: torch.dtype,
+    dtype: torch.dtype,
+    block_size: int,
+    head_dim: int = HEAD_DIM,
+    sdpa_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batched group's output from the kernel and from SDPA (seeded inputs)."""
+    """The batched group's output from the kernel and from SDPA (seeded inputs; SDPA in
+    `sdpa_dtype`, default the queries' dtype)."""
     torch.manual_seed(0)
     num_blocks = sum(-(-(c + q) // block_size) for c, q in shapes) + 4
     free = list(range(num_blocks))
@@ -48,16 +54,16 @@ def _run(
         seqs.append(
             SeqSpec(computed, query_len, [free.pop() for _ in range(-(-ctx // block_size))])
         )
-    cache = encode(torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM), cache_dtype)
-    q = torch.randn(sum(n for _, n in shapes), NUM_HEADS * HEAD_DIM).to(dtype)
-    backend = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, block_size)
+    cache = encode(torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim), cache_dtype)
+    q = torch.randn(sum(n for _, n in shapes), NUM_HEADS * head_dim).to(dtype)
+    backend = TorchSDPABackend(NUM_HEADS, NUM_KV_HEADS, head_dim, block_size)
     g = backend._batched_group(seqs, torch.device("cpu"))
     kernel = cpu_attention.paged_attention(
-        q, cache, g.block_tables, g.context_lens, g.query_starts, HEAD_DIM, backend.scale
+        q, cache, g.block_tables, g.context_lens, g.query_starts, head_dim, backend.scale
     )
     with mock.patch.object(cpu_attention, "runs_on", return_value=False):
         sdpa_group = backend._batched_group(seqs, torch.device("cpu"))
-    sdpa = backend._batched(q, cache, sdpa_group, NUM_HEADS // NUM_KV_HEADS)
+    sdpa = backend._batched(q.to(sdpa_dtype or dtype), cache, sdpa_group, NUM_HEADS // NUM_KV_HEADS)
     return kernel, sdpa
 
 
@@ -70,6 +76,17 @@ def test_kernel_matches_sdpa(
     shapes = [(37, 1), (5, 4), (0, 1), (70, 6), (16, 16)]
     kernel, sdpa = _run(shapes, cache_dtype, dtype, block_size)
     torch.testing.assert_close(kernel.float(), sdpa.float(), atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_bfloat16_dot_products_of_wide_heads(block_size: int) -> None:
+    """bfloat16 queries over a bfloat16 cache with heads a multiple of 32 wide (SmolLM2's 64)
+    take the bfloat16 dot products for their scores, where the CPU has them: the output equals
+    float64 attention over the same bfloat16 values up to its own rounding to bfloat16."""
+    shapes = [(37, 1), (5, 4), (0, 1), (70, 6), (16, 16), (3, 1)]
+    kernel, exact = _run(shapes, torch.bfloat16, torch.bfloat16, block_size, 64, torch.float64)
+    assert kernel.dtype == torch.bfloat16
+    torch.testing.assert_close(kernel.double(), exact, atol=2e-3, rtol=2**-8)
 
 
 @pytest.mark.parametrize("query_len", [1, 5])

@@ -25,7 +25,7 @@ from tandem.engine.quant.int4 import (
     unpack_codes,
 )
 from tandem.engine.quant.int8 import Int8Linear, quantize_int8
-from tandem.engine.quant.lm_head import KERNEL_MAX_ROWS, RESCORED
+from tandem.engine.quant.lm_head import KERNEL_MAX_ROWS, RESCORED, TILED_MAX_ROWS
 from tandem.engine.quant.model import quantize_linear, replace_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -308,7 +308,8 @@ def test_qwen2_bias_survives_quantization(
 def test_lm_head_gets_an_int8_copy(
     tmp_path: Path, tiny_llama_kwargs: dict[str, int], tied: bool, method: str
 ) -> None:
-    """Logits of steps of up to KERNEL_MAX_ROWS rows come from an int8 copy of the output
+    """Logits of steps of up to `max_rows` rows (KERNEL_MAX_ROWS, or TILED_MAX_ROWS for the
+    native kernel) come from an int8 copy of the output
     projection, float32, with the highest RESCORED of each row recomputed from the float weight;
     larger steps and the embedding lookups keep the float weight."""
     torch.manual_seed(0)
@@ -325,15 +326,16 @@ def test_lm_head_gets_an_int8_copy(
     reference = quantize_int8(weight).dequantize()
     assert relative_error(head.int8.dequantize(), reference) < 2**-8  # scales in bfloat16
 
-    hidden = torch.randn(KERNEL_MAX_ROWS + 1, 64, generator=torch.Generator().manual_seed(4))
+    assert head.max_rows == (KERNEL_MAX_ROWS if head.int8.tiles is None else TILED_MAX_ROWS)
+    hidden = torch.randn(head.max_rows + 1, 64, generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        few = model.compute_logits(hidden[:-1])  # [8, vocab]
+        few = model.compute_logits(hidden[:-1])  # [max_rows, vocab]
         int8_logits = head.int8(hidden[:-1]).float()
         everything = model.compute_logits(hidden)
         float_logits = float_model.compute_logits(hidden)
-    assert few.dtype == torch.float32 and few.shape == (KERNEL_MAX_ROWS, 256)
+    assert few.dtype == torch.float32 and few.shape == (head.max_rows, 256)
     exact = hidden[:-1] @ weight.T
-    rescored = int8_logits.topk(RESCORED, dim=-1).indices  # [8, RESCORED]
+    rescored = int8_logits.topk(RESCORED, dim=-1).indices  # [max_rows, RESCORED]
     torch.testing.assert_close(few.gather(-1, rescored), exact.gather(-1, rescored))
     assert torch.equal(few.argmax(-1), exact.argmax(-1))
     tail = torch.ones_like(few, dtype=torch.bool).scatter_(-1, rescored, False)

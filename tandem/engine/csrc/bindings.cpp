@@ -17,5 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("dtype"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("rotary", &rotary, "RoPE of q's and k's heads in place (rotate-half convention)");
+  m.def("quant_gemm_supported", &quant_gemm_supported,
+        "whether quant_gemm was built (a CPU with AVX-512 BF16)");
+  m.def("quant_gemm", &quant_gemm, "int4 / int8 weight tiles times bfloat16 rows");
   m.def("scatter_rows", &scatter_rows, "dst[index[i]] = src[i] over whole rows");
 }

@@ -33,3 +33,9 @@ void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor s
             int64_t head_dim);
 // dst[index[i]] = src[i] over whole rows (KV slots), same element size.
 void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src);
+
+// int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16
+// [rows, out] (quant_gemm.cpp); only where quant_gemm_supported() (AVX-512 BF16).
+bool quant_gemm_supported();
+torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_mins,
+                         int64_t group_size);

@@ -43,6 +43,21 @@ inline float sum(Vec v) {
 #endif
 }
 
+// The largest lane (a tree of halves, as `sum`).
+inline float max(Vec v) {
+  float lanes[kWidth];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int width = kWidth / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] = lanes[j] > lanes[j + width] ? lanes[j] : lanes[j + width];
+  return lanes[0];
+}
+
+// Lanes i of the register at element `start` whose element start + i is below `end`.
+inline IVec visible(int64_t start, int64_t end) {
+  const IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return lane < static_cast<int32_t>(end - start);
+}
+
 // e^x lane by lane: e^x = 2^n e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2], e^r by
 // Cephes' expf polynomial (about 1 ulp). x is clamped to [-87, 88.37]: below, e^-87 (~1e-38)
 // rather than 0; above, ~3.4e38, the largest float (2^n stays a normal float's exponent).

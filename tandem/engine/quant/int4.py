@@ -5,18 +5,21 @@ That affine form is the one torch's int4 kernels dequantize; with zero = min + 8
 (`(q - 8) * d`). Storage (`Int4Weight.qweight`): two codes a byte, code 2j in the high nibble of
 byte j, `[out, in // 2]` uint8; scales and zeros `[out, in // group_size]`.
 
-Kernels (the layer passes activations, scales and zeros in bfloat16, `probe.py`; scales and
-zeros as `[in // group_size, out, 2]`):
-- CPU: `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
+Kernels (the layer passes activations in bfloat16, `probe.py`):
+- CPU with AVX-512 BF16: the native tiled kernel (`tiles.py`), fed the layer's bfloat16 scales
+  and zeros widened to float32.
+- Other CPUs: `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
   `[out, in // 2]` in a blocked layout of its own (inner_k_tiles is ignored), then
   `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)`; out a multiple of 16.
+  Scales and zeros as `[in // group_size, out, 2]` bfloat16 for this one and CUDA's.
 - CUDA: `_convert_weight_to_int4pack(qweight uint8 [out, in // 2], inner_k_tiles)` -> int32
   `[out // 8, in // (16 * inner_k_tiles), 32, inner_k_tiles // 2]`, then `_weight_int4pack_mm`
   (bfloat16 activations; out a multiple of 8, in a multiple of 16 * inner_k_tiles, which
   groups of >= 32 guarantee).
-Both read half a byte per weight but do not batch rows, so past `KERNEL_MAX_TOKENS` the layer
-dequantizes and runs one dense matmul; it keeps the nibble copy for that (and for devices without
-a kernel), so a weight takes one byte of memory while a decode step reads half a byte.
+torch's kernels read half a byte per weight but do not batch rows, so past `KERNEL_MAX_TOKENS`
+the layer dequantizes and runs one dense matmul; it keeps the nibble copy for that (and for
+devices without a kernel), so a weight takes one byte of memory while a decode step reads half a
+byte.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from tandem.engine.quant import tiles
+from tandem.engine.quant.layer import QuantizedLinear
 from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
 
 if TYPE_CHECKING:  # tandem.engine.models imports this module
@@ -152,7 +156,7 @@ def kernel_works(device: torch.device, group_size: int) -> bool:
     )
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """A linear layer over int4 weights; input, bias and output in `dtype`, scales and zeros in
     bfloat16."""
 
@@ -167,53 +171,46 @@ class Int4Linear(nn.Module):
         self.out_features = weight.qweight.shape[0]
         self.in_features = 2 * weight.qweight.shape[1]
         self.group_size = weight.group_size
+        self.max_kernel_tokens = KERNEL_MAX_TOKENS
         self.qweight: torch.Tensor
         self.scales_and_zeros: torch.Tensor
+        self.tiles: torch.Tensor | None
+        self.tile_scales: torch.Tensor | None
         self.packed: torch.Tensor | None
-        self.bias: torch.Tensor | None
         self.register_buffer("qweight", weight.qweight.to(device))
         self.register_buffer("scales_and_zeros", _scales_and_zeros(weight).to(device))
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
-        self.use_kernel = _kernel_fits(
-            device, self.out_features, self.in_features
-        ) and kernel_works(device, self.group_size)
-        self.register_buffer("packed", _pack(self.qweight) if self.use_kernel else None)
+        tiled = tiles.supported(device, self.out_features, self.in_features)
+        sz = self.scales_and_zeros.float()  # [groups, out, 2]: the kernel's, widened
+        scale, zero = sz[..., 0], sz[..., 1]
+        tiled_weights = (
+            tiles.tile_int4(unpack_codes(self.qweight), scale, zero - 8 * scale)
+            if tiled
+            else (None, None)
+        )
+        self.register_buffer("tiles", tiled_weights[0])
+        self.register_buffer("tile_scales", tiled_weights[1])
+        torch_kernel = (
+            not tiled
+            and _kernel_fits(device, self.out_features, self.in_features)
+            and kernel_works(device, self.group_size)
+        )
+        self.register_buffer("packed", _pack(self.qweight) if torch_kernel else None)
+        self.use_kernel = tiled or torch_kernel
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
         sz = self.scales_and_zeros.float()  # [groups, out, 2]
         return dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T).to(dtype)
 
-    def _direct(self, dtype: torch.dtype) -> bool:
-        """Whether rows of `dtype` (up to `KERNEL_MAX_TOKENS`) go straight to the kernel."""
-        return (
-            dtype == KERNEL_DTYPE
-            and self.use_kernel
-            and self.packed is not None
-            and self.bias is None
-        )
-
-    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
-        """The kernel call bound to this layer's tensors and the most rows `forward` makes it
-        for, where rows of `dtype` go straight to it; else None (`Linear.row_kernel`)."""
-        packed, group, sz = self.packed, self.group_size, self.scales_and_zeros
-        if packed is None or not self._direct(dtype):
-            return None
-        return (lambda x: _mm(x, packed, group, sz)), KERNEL_MAX_TOKENS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        # a decode step's rows: straight to the kernel (per-call overhead counts here)
-        if x.dim() == 2 and x.shape[0] <= KERNEL_MAX_TOKENS and self._direct(x.dtype):
-            assert self.packed is not None
-            return _mm(x, self.packed, self.group_size, self.scales_and_zeros)
-        x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
-        if self.packed is not None and self.use_kernel and x2.shape[0] <= KERNEL_MAX_TOKENS:
-            xk = x2.to(KERNEL_DTYPE)
-            y = _mm(xk, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
-        else:
-            y = F.linear(x2, self.dequantize(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+    def kernel(self) -> RowKernel | None:
+        group = self.group_size
+        if self.tiles is not None and self.tile_scales is not None:
+            weight_tiles, scales_mins = self.tiles, self.tile_scales
+            return lambda x: tiles.multiply(x, weight_tiles, scales_mins, group)
+        if self.packed is not None:
+            packed, sz = self.packed, self.scales_and_zeros
+            return lambda x: _mm(x, packed, group, sz)
+        return None
 
     def extra_repr(self) -> str:
         return (

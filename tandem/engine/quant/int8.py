@@ -1,7 +1,8 @@
 """int8 weights with one scale per output channel: w ~= q * scale, q in [-127, 127] (symmetric).
 
-Kernel: `torch.ops.aten._weight_int8pack_mm(x, q, scales)` = `(x @ q.T) * scales`, with `q` the
-int8 `[out, in]` matrix as stored (no repacking) and `x` and `scales` in the same floating dtype
+Kernel on a CPU with AVX-512 BF16: the native tiled kernel (`tiles.py`). Elsewhere:
+`torch.ops.aten._weight_int8pack_mm(x, q, scales)` = `(x @ q.T) * scales`, with `q` the int8
+`[out, in]` matrix as stored (no repacking) and `x` and `scales` in the same floating dtype
 (float32, bfloat16 or float16; the output comes in that dtype), here bfloat16 (`probe.py`). It
 reads 1 byte per weight, but it does not batch rows: its time grows linearly with the number of
 tokens, so past the layer's `max_kernel_tokens` (`KERNEL_MAX_TOKENS`: a long prefill) it
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from tandem.engine.quant import tiles
+from tandem.engine.quant.layer import QuantizedLinear
 from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
 
 if TYPE_CHECKING:  # tandem.engine.models imports this module
@@ -62,7 +64,7 @@ def kernel_works(device: torch.device) -> bool:
     )
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(QuantizedLinear):
     """A linear layer over int8 weights; input, bias and output in `dtype`, scales in bfloat16."""
 
     def __init__(
@@ -78,40 +80,26 @@ class Int8Linear(nn.Module):
         self.max_kernel_tokens = max_kernel_tokens  # more tokens dequantize (or go elsewhere)
         self.qweight: torch.Tensor
         self.scales: torch.Tensor
-        self.bias: torch.Tensor | None
+        self.tiles: torch.Tensor | None
+        self.tile_scales: torch.Tensor | None
         self.register_buffer("qweight", weight.qweight.to(device))
         self.register_buffer("scales", weight.scales.to(device, KERNEL_DTYPE))
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
-        self.use_kernel = kernel_works(device)
+        tiled = tiles.supported(device, self.out_features, self.in_features)
+        tiled_weights = tiles.tile_int8(self.qweight, self.scales) if tiled else (None, None)
+        self.register_buffer("tiles", tiled_weights[0])
+        self.register_buffer("tile_scales", tiled_weights[1])
+        self.use_kernel = tiled or kernel_works(device)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
-    def _direct(self, dtype: torch.dtype) -> bool:
-        """Whether rows of `dtype` (up to `max_kernel_tokens`) go straight to the kernel."""
-        return dtype == KERNEL_DTYPE and self.use_kernel and self.bias is None
-
-    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
-        """The kernel call bound to this layer's tensors and the most rows `forward` makes it
-        for, where rows of `dtype` go straight to it; else None (`Linear.row_kernel`)."""
-        if not self._direct(dtype):
-            return None
+    def kernel(self) -> RowKernel | None:
+        if self.tiles is not None and self.tile_scales is not None:
+            weight_tiles, scales, group = self.tiles, self.tile_scales, self.in_features
+            return lambda x: tiles.multiply(x, weight_tiles, scales, group)
         qweight, scales, mm = self.qweight, self.scales, torch.ops.aten._weight_int8pack_mm
-        return (lambda x: mm(x, qweight, scales)), self.max_kernel_tokens
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        # a decode step's rows: straight to the kernel (per-call overhead counts here)
-        if x.dim() == 2 and x.shape[0] <= self.max_kernel_tokens and self._direct(x.dtype):
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
-        x2 = x.reshape(-1, self.in_features)  # [num_tokens, in]
-        if self.use_kernel and x2.shape[0] <= self.max_kernel_tokens:
-            xk = x2.to(KERNEL_DTYPE)
-            y = torch.ops.aten._weight_int8pack_mm(xk, self.qweight, self.scales).to(x.dtype)
-        else:
-            y = F.linear(x2, self.dequantize(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)
+        return lambda x: mm(x, qweight, scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
