@@ -24,8 +24,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
+from kv_transfer.cuda_ipc import CudaSharedKVCache
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.shm import SharedKVCache, shm_available
+from kv_transfer.shm import SharedCache, SharedKVCache, shm_available
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
 from tandem.config import EngineConfig
@@ -98,10 +99,16 @@ class DecodeWorker(EngineLoop):
         self.role = DecodeRole()
         super().__init__(EngineCore(config, self.role), "decode-loop")
         engine = self.engine
-        self.shm: SharedKVCache | None = None
-        if shared_memory and engine.runner.device.type == "cpu" and shm_available():
+        self.shm: SharedCache | None = None
+        device = engine.runner.device
+        if shared_memory and (device.type == "cuda" or shm_available()):
             layout = KVLayout.of(engine.runner.kv_caches)
-            self.shm = SharedKVCache.create(layout, engine.kv_cache.num_blocks)
+            num_blocks = engine.kv_cache.num_blocks
+            self.shm = (
+                CudaSharedKVCache.create(layout, num_blocks, device)
+                if device.type == "cuda"
+                else SharedKVCache.create(layout, num_blocks)
+            )
             engine.runner.use_kv_caches(self.shm.kv_caches)
         fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
         self.receiver = KVReceiver(

@@ -3,10 +3,10 @@
 Each plane moves (or starts moving) the bytes of the consecutive layers it is handed and yields
 the serialized `KVChunk` messages that go on the gRPC stream. `GrpcPlane` puts the bytes in the
 messages themselves; `PairPlane` sends each layer over a torch.distributed pair and yields a
-marker after each group of sends; `ShmPlane` writes straight into the receiver's shared-memory
-blocks and yields one marker. Handing over every layer that is ready at once (all of them when
-the prefill did not stream layer by layer) keeps the control stream at a few messages per
-transfer.
+marker after each group of sends; `ShmPlane` writes straight into the receiver's shared cache
+(shared memory, or GPU memory opened by CUDA IPC) and yields one marker. Handing over every layer
+that is ready at once (all of them when the prefill did not stream layer by layer) keeps the
+control stream at a few messages per transfer.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.distributed import Work
 
 from kv_transfer.layout import gather_tokens, plan_copy, row_nbytes, slot_mapping, wire_pieces
 from kv_transfer.pairs import WINDOW_BYTES, Pair, wait_done
-from kv_transfer.shm import SharedKVCache
+from kv_transfer.shm import SharedCache
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
 from kv_transfer.wire import layer_message
@@ -126,10 +126,11 @@ class PairPlane(DataPlane):
 class ShmPlane(DataPlane):
     kind = pb.DATA_PLANE_SHM
 
-    def __init__(self, target: SharedKVCache, ticket: KVTicket) -> None:
+    def __init__(self, target: SharedCache, ticket: KVTicket) -> None:
         self.target = target
+        device = target.kv_caches[0].device
         self.dst_slots = slot_mapping(
-            ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, torch.device("cpu")
+            ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, device
         )
         self._copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None
 
@@ -146,4 +147,7 @@ class ShmPlane(DataPlane):
                     FailureCause.TIMEOUT, "past the receiver's deadline: not writing"
                 )
             self._copy(kv_caches[layer], targets[layer])
+        for device in {kv_caches[0].device, targets[0].device}:  # done before it is announced
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
         yield layer_message(layers.start, num_layers=len(layers))

@@ -29,7 +29,7 @@ import torch
 
 from kv_transfer.layout import slot_mapping
 from kv_transfer.pairs import PairHost
-from kv_transfer.shm import SharedKVCache
+from kv_transfer.shm import SharedCache
 from kv_transfer.sinks import GrpcSink, LayerSink, PairSink, ShmSink
 from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
@@ -110,7 +110,7 @@ class KVReceiver:
         model_fingerprint: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        shm: SharedKVCache | None = None,
+        shm: SharedCache | None = None,
         enable_pairs: bool = True,
         max_pairs: int = 64,
         max_streams: int = 128,
@@ -151,7 +151,7 @@ class KVReceiver:
             model_fingerprint=self.model_fingerprint,
             num_tokens=num_tokens,
             host_id=host_id(),
-            shm_path=str(self.shm.path) if self.shm is not None else "",
+            shared_cache=self.shm.locator if self.shm is not None else "",
             pair_store=self.pairs.address if self.pairs is not None else "",
             timeout_s=timeout_s,
         )

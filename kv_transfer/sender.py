@@ -289,12 +289,12 @@ def _transfer_error(e: Exception) -> TransferError:
 
 
 class KVSender:
-    """Prefill side, one per process: gRPC channels, torch.distributed pairs and shared-memory
-    mappings to receivers, and the transfers in flight.
+    """Prefill side, one per process: gRPC channels, torch.distributed pairs and openings of
+    receivers' shared caches (shared memory or CUDA IPC), and the transfers in flight.
 
-    `channel`: "auto" (shared memory on the same host, else a pair, else gRPC), or force "grpc",
-    "pair" or "shm" (a forced plane that cannot be set up fails the transfer, except that a pair
-    falls back to gRPC as documented)."""
+    `channel`: "auto" (the receiver's shared cache on the same host, else a pair, else gRPC), or
+    force "grpc", "pair" or "shm" (a forced plane that cannot be set up fails the transfer, except
+    that a pair falls back to gRPC as documented)."""
 
     def __init__(
         self,
@@ -317,7 +317,7 @@ class KVSender:
         self.wrap_plane = wrap_plane  # tests inject faults here (kv_transfer.fake)
         self.pairs = PairPool(host, self._open_remote, self._close_remote, max_pairs, pair_idle_s)
         self.shm = SharedCacheAttachments()
-        self.fallbacks = 0  # pair setups that failed and went over gRPC instead
+        self.fallbacks = 0  # shared caches or pairs that could not be opened (another plane went)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, OutboundTransfer] = {}
@@ -348,14 +348,18 @@ class KVSender:
 
     def _choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
         want = self.channel
-        same_host = ticket.shm_path and ticket.host_id == host_id() and device.type == "cpu"
+        same_host = bool(ticket.shared_cache) and ticket.host_id == host_id()
         if want == "shm" or (want == "auto" and same_host):
             if not same_host:
                 raise TransferError(FailureCause.SETUP, "the receiver has no reachable shm cache")
             try:
-                return ShmPlane(self.shm.get(ticket.shm_path, ticket.layout), ticket)
-            except (OSError, ValueError) as e:
-                raise TransferError(FailureCause.SETUP, f"cannot map {ticket.shm_path}: {e}") from e
+                return ShmPlane(self.shm.get(ticket.shared_cache, ticket.layout), ticket)
+            except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a CUDA IPC open
+                if want == "shm":
+                    why = f"cannot open the receiver's shared cache: {e}"
+                    raise TransferError(FailureCause.SETUP, why) from e
+                self.fallbacks += 1
+                log.warning("cannot open %s's shared cache (%s)", ticket.endpoint, e)
         if want in ("auto", "pair") and ticket.pair_store:
             backend = backend_for(device)
             try:

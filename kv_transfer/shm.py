@@ -1,13 +1,13 @@
 """A paged KV cache in POSIX shared memory, so a prefill worker on the same host can write a
 request's KV straight into a decode worker's blocks (one copy, no socket).
 
-The decode worker creates the cache (`SharedKVCache.create`) and passes `path` in its tickets;
-the prefill worker attaches by path. The file lives in /dev/shm, named with the creator's pid, and
-is unlinked when the creator closes it, or by the next `create` on the host once the creator is
-gone (killed); mappings already made stay valid until they are dropped.
+The decode worker creates the cache (`SharedKVCache.create`) and passes its path in its tickets
+(`KVTicket.shared_cache`); the prefill worker attaches by path. The file lives in /dev/shm, named
+with the creator's pid, and is unlinked when the creator closes it, or by the next `create` on the
+host once the creator is gone (killed); mappings already made stay valid until they are dropped.
 
-CPU tensors only. For CUDA caches the same role needs CUDA IPC handles, which are not written yet
-(a CUDA decode worker issues tickets without `shm_path`, and senders use a torch.distributed pair).
+CPU tensors only; a CUDA cache plays the same role through CUDA IPC (`cuda_ipc.py`), and
+`SharedCacheAttachments` opens either kind by the locator in the ticket.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kv_transfer.cuda_ipc import CudaSharedKVCache, is_cuda_locator
 from kv_transfer.ticket import KVLayout
 
 SHM_DIR = Path("/dev/shm")
@@ -41,6 +42,11 @@ class SharedKVCache:
         numel = layout.num_layers * math.prod(shape)
         storage = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
         self.kv_caches = list(storage.view(layout.num_layers, *shape).unbind(0))
+
+    @property
+    def locator(self) -> str:
+        """What a ticket names this cache by."""
+        return str(self.path)
 
     @classmethod
     def create(cls, layout: KVLayout, num_blocks: int) -> SharedKVCache:
@@ -75,20 +81,31 @@ def remove_stale_caches() -> int:
     return removed
 
 
+SharedCache = SharedKVCache | CudaSharedKVCache
+
+
+def attach(locator: str, layout: KVLayout) -> SharedCache:
+    """Open a receiver's shared cache by its ticket's locator: a CUDA IPC export or a path."""
+    if is_cuda_locator(locator):
+        return CudaSharedKVCache.attach(locator, layout)
+    return SharedKVCache.attach(locator, layout)
+
+
 class SharedCacheAttachments:
-    """The sender's open mappings of receivers' caches, least recently used dropped first."""
+    """The sender's open receivers' caches (mappings or CUDA IPC openings) by locator, least
+    recently used dropped first."""
 
     def __init__(self, max_open: int = 16) -> None:
         self.max_open = max_open
-        self._open: OrderedDict[str, SharedKVCache] = OrderedDict()
+        self._open: OrderedDict[str, SharedCache] = OrderedDict()
 
-    def get(self, path: str, layout: KVLayout) -> SharedKVCache:
-        cache = self._open.get(path)
+    def get(self, locator: str, layout: KVLayout) -> SharedCache:
+        cache = self._open.get(locator)
         if cache is None or cache.layout != layout:
-            cache = self._open[path] = SharedKVCache.attach(path, layout)
+            cache = self._open[locator] = attach(locator, layout)
             while len(self._open) > self.max_open:
                 self._open.popitem(last=False)[1].close()
-        self._open.move_to_end(path)
+        self._open.move_to_end(locator)
         return cache
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 The decode worker issues a `KVTicket` when it reserves blocks for a prompt; the router hands it to
 the prefill worker with the request. The ticket names where to send (endpoint, and the optional
-shared-memory cache and torch.distributed rendezvous), which blocks to fill, and what the receiver
+shared cache and torch.distributed rendezvous), which blocks to fill, and what the receiver
 will accept (layout and fingerprint); a header that disagrees is refused before anything is
 written.
 """
@@ -87,7 +87,7 @@ class KVTicket:
     model_fingerprint: str
     num_tokens: int
     host_id: str = ""
-    shm_path: str = ""  # the receiver's shared-memory KV cache; "" when it has none
+    shared_cache: str = ""  # the receiver's cache for same-host senders (shm.py); "" when none
     pair_store: str = ""  # host:port of its TCPStore for torch.distributed pairs; "" when none
     timeout_s: float = 30.0
 
@@ -100,7 +100,7 @@ class KVTicket:
             model_fingerprint=self.model_fingerprint,
             num_tokens=self.num_tokens,
             host_id=self.host_id,
-            shm_path=self.shm_path,
+            shared_cache=self.shared_cache,
             pair_store=self.pair_store,
             timeout_s=self.timeout_s,
         )
@@ -115,7 +115,7 @@ class KVTicket:
             msg.model_fingerprint,
             msg.num_tokens,
             msg.host_id,
-            msg.shm_path,
+            msg.shared_cache,
             msg.pair_store,
             msg.timeout_s,
         )

@@ -528,7 +528,7 @@ def bench_engine(
 def bench_transfer(
     model: ModelOpt = DEFAULT_MODEL,
     device: Annotated[
-        str, typer.Option(help="cpu | cuda | cuda:N (CUDA: the pair runs NCCL; no shm).")
+        str, typer.Option(help="cpu | cuda | cuda:N (CUDA: the pair runs NCCL, shm is CUDA IPC).")
     ] = "cpu",
     dtype: DtypeOpt = "float32",
     channels: Annotated[str, typer.Option(help="Comma-separated: pair, grpc, shm.")] = (

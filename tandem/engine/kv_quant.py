@@ -64,8 +64,10 @@ def encode(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.to(dtype)
     qmax = _QMAX[dtype]
     x = x.float()
-    # A floor keeps an all-zero slot's scale a normal float (0 / scale = 0, never NaN).
-    scale = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / qmax
+    # A floor keeps an all-zero slot's scale a normal float (0 / scale = 0, never NaN). Times
+    # the reciprocal: CUDA divides by a scalar that way, so the bytes are the same on any device.
+    amax = x.abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    scale = amax * (1.0 / qmax)
     q = x / scale
     if not dtype.is_floating_point:
         q = q.round()  # a cast to int truncates

@@ -33,7 +33,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTicket(_message.Message):
-    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shm_path", "pair_store", "timeout_s")
+    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_cache", "pair_store", "timeout_s")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -41,7 +41,7 @@ class KVTicket(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_PATH_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CACHE_FIELD_NUMBER: _ClassVar[int]
     PAIR_STORE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_key: str
@@ -51,10 +51,30 @@ class KVTicket(_message.Message):
     model_fingerprint: str
     num_tokens: int
     host_id: str
-    shm_path: str
+    shared_cache: str
     pair_store: str
     timeout_s: float
-    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shm_path: _Optional[str] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_cache: _Optional[str] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class CudaIpcCache(_message.Message):
+    __slots__ = ("device_uuid", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
     __slots__ = ("request_key", "layout", "model_fingerprint", "num_tokens", "data_plane", "pair_id", "tag_base")

@@ -44,8 +44,10 @@ def test_plan_references_and_targets() -> None:
     devices = plan_devices(config)
     assert (devices.sender, devices.receiver, devices.skipped) == ("cpu", "cpu", {})
     assert [reference_of(c, "cpu") for c in ("pair", "grpc", "shm")] == ["tcp", "tcp", "memcpy"]
-    assert reference_of("pair", "cuda") == "device_copy"
+    assert reference_of("pair", "cuda") == reference_of("shm", "cuda") == "device_copy"
+    assert reference_of("grpc", "cuda") == "tcp"
     assert target_of("grpc", "tcp") == 0.6 and target_of("shm", "memcpy") == 0.5
+    assert target_of("shm", "device_copy") == 0.5
     assert target_of("pair", "device_copy") is None
     quick = config.quick()
     assert quick.prompt_tokens == (512,) and quick.reps == 1 and quick.exposed_tokens == (512,)

@@ -7,7 +7,17 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-from harness import WorkerProcess
+import torch
+from harness import DEVICE, WorkerProcess
+
+
+@pytest.fixture(autouse=True)
+def _pair_needs_two_gpus(request: pytest.FixtureRequest) -> None:
+    """On CUDA the pair plane is NCCL, which cannot put both ranks on one GPU."""
+    params = getattr(request.node, "callspec", None)
+    channel = params.params.get("channel") if params is not None else None
+    if DEVICE.type == "cuda" and channel == "pair" and torch.cuda.device_count() < 2:
+        pytest.skip("an NCCL pair needs two GPUs")
 
 
 @pytest.fixture(scope="session")

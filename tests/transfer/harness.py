@@ -5,7 +5,11 @@ hosting named objects -- a PrefillWorker, a DecodeWorker, or a bare KVSender / K
 small random caches -- and runs commands on them: `proc.call("reserve", "d", "r0", prompt, 16)`.
 Every call has a timeout after which the child is killed and the call raises, so a transfer that
 hangs fails its test instead of the run. Tickets cross as KVTicket protos, as between real
-workers; KV tensors come back pickled for the tests to compare.
+workers; KV tensors come back pickled (on the CPU) for the tests to compare.
+
+`TANDEM_TEST_DEVICE=cuda` puts every engine and bare cache of the children on the GPU (the
+shared-memory plane is then CUDA IPC, the pair NCCL), so the same tests check the CUDA paths on a
+machine that has one; the default is the CPU.
 
 Each child also gets two events to hold a sender between layers: a sender built with
 `pause_at=k` sets `reached` before layer k and waits for the test to set `gate`, so a test can
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import multiprocessing
+import os
 import pickle
 import threading
 import time
@@ -32,10 +37,11 @@ import torch
 
 from decode_worker.worker import DecodeWorker, OutputStream
 from kv_transfer import Arrival, KVLayout, KVReceiver, KVSender, KVTicket, OutboundTransfer
+from kv_transfer.cuda_ipc import CudaSharedKVCache
 from kv_transfer.fake import FaultyPlane, at_layer
 from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.planes import DataPlane
-from kv_transfer.shm import SharedKVCache
+from kv_transfer.shm import SharedCache, SharedKVCache
 from kv_transfer.state import FailureCause, TransferError, TransferState
 from prefill_worker.worker import PrefillResult, PrefillWorker
 from tandem.config import EngineConfig
@@ -47,6 +53,7 @@ from tandem.v1 import kv_transfer_pb2 as pb
 
 CALL_TIMEOUT_S = 30.0  # default for one command; tests pass less where they expect less
 PAUSE_LIMIT_S = 20.0  # a paused sender goes on by itself after this (a test that forgot)
+DEVICE = torch.device(os.environ.get("TANDEM_TEST_DEVICE", "cpu"))  # the children's engines
 
 T = TypeVar("T")
 
@@ -57,7 +64,7 @@ def gather_kv(
     """Per layer, the token-major KV [2, num_tokens, heads, slot_dim] of a block table."""
     block_size = kv_caches[0].shape[2]
     slots = slot_mapping(block_ids, block_size, num_tokens, kv_caches[0].device)
-    return [gather_tokens(cache, slots) for cache in kv_caches]
+    return [gather_tokens(cache, slots).cpu() for cache in kv_caches]
 
 
 def ticket_bytes(ticket: KVTicket) -> bytes:
@@ -77,7 +84,8 @@ def colocated_greedy(
 ) -> list[list[int]]:
     """What an engine in the default role generates for the prompts, greedily; `options` go to
     the engine config."""
-    engine = EngineCore(EngineConfig.create(model, num_blocks=256, **options))
+    config = EngineConfig.create(model, **{"num_blocks": 256, "device": str(DEVICE), **options})
+    engine = EngineCore(config)
     reqs = [engine.add_request(f"r{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
@@ -270,7 +278,7 @@ class _Bare:
 
     endpoint: KVSender | KVReceiver
     kv_caches: list[torch.Tensor]
-    shm: SharedKVCache | None = None
+    shm: SharedCache | None = None
     outcomes: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
 
 
@@ -324,7 +332,7 @@ class _Host:
     ) -> None:
         """A started PrefillWorker (see use_sender for the sender's options); the rest go to
         the engine config."""
-        worker = PrefillWorker(EngineConfig.create(model, **options))
+        worker = PrefillWorker(EngineConfig.create(model, **{"device": str(DEVICE), **options}))
         self.objects[name] = worker
         worker.start()
         self.use_sender(name, channel, fingerprint, pause_at)
@@ -370,7 +378,7 @@ class _Host:
 
     def sent(self, name: str, rid: str) -> list[torch.Tensor]:
         layers = self._recording_sender(name).sent[rid]
-        return [layers[i] for i in range(len(layers))]
+        return [layers[i].cpu() for i in range(len(layers))]
 
     def plane(self, name: str, rid: str) -> str:
         """The data plane the prefill worker's sender chose for the request."""
@@ -386,7 +394,8 @@ class _Host:
         engine config."""
         own = ("shared_memory", "enable_pairs", "transfer_timeout_s", "on_transfer_failure")
         kwargs = {k: options.pop(k) for k in own if k in options}
-        worker = _RecordingDecodeWorker(EngineConfig.create(model, **options), **kwargs)
+        config = EngineConfig.create(model, **{"device": str(DEVICE), **options})
+        worker = _RecordingDecodeWorker(config, **kwargs)
         self.objects[name] = worker
         worker.start()
 
@@ -473,14 +482,20 @@ class _Host:
     # -- bare endpoints over small caches ----------------------------------------------------
 
     def kv_receiver(self, name: str, layout: KVLayout, num_blocks: int, shm: bool = False) -> str:
-        """A KVReceiver over zeroed caches (shared memory when `shm`); its endpoint."""
-        cache = SharedKVCache.create(layout, num_blocks) if shm else None
-        if cache is not None:
+        """A KVReceiver over zeroed caches (shared when `shm`); its endpoint."""
+        cache: SharedCache | None = None
+        if shm:
+            cache = (
+                CudaSharedKVCache.create(layout, num_blocks, DEVICE)
+                if DEVICE.type == "cuda"
+                else SharedKVCache.create(layout, num_blocks)
+            )
             kv_caches = cache.kv_caches
         else:
             shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.slot_dim)
             kv_caches = [
-                torch.zeros(shape, dtype=layout.torch_dtype) for _ in range(layout.num_layers)
+                torch.zeros(shape, dtype=layout.torch_dtype, device=DEVICE)
+                for _ in range(layout.num_layers)
             ]
         receiver = KVReceiver(kv_caches, "bare-model", shm=cache)
         self.objects[name] = _Bare(receiver, kv_caches, cache)
@@ -509,7 +524,7 @@ class _Host:
         g = torch.Generator().manual_seed(seed)
         shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         kv_caches = [
-            encode(torch.randn(shape, generator=g), layout.torch_dtype)
+            encode(torch.randn(shape, generator=g), layout.torch_dtype).to(DEVICE)
             for _ in range(layout.num_layers)
         ]
         self.objects[name] = _Bare(KVSender(fingerprint, channel=channel), kv_caches)
@@ -557,6 +572,7 @@ class _Host:
 
 
 def unlink_shm(path: str) -> None:
-    """Remove a killed decode worker's shared-memory cache (nobody else will)."""
-    if path:
+    """Remove a killed decode worker's shared-memory cache (nobody else will; a CUDA cache
+    went with its process)."""
+    if path.startswith("/"):
         Path(path).unlink(missing_ok=True)

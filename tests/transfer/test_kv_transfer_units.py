@@ -181,7 +181,7 @@ def test_ticket_proto_round_trip() -> None:
         model_fingerprint="abc123",
         num_tokens=11,
         host_id="host/boot",
-        shm_path="/dev/shm/tandem-kv-x",
+        shared_cache="/dev/shm/tandem-kv-x",
         pair_store="10.0.0.2:6000",
         timeout_s=2.5,
     )

@@ -101,7 +101,7 @@ def test_receiver_killed_mid_transfer(
     ticket = begin(prefill_proc, decode)
     paused_on(prefill_proc, channel)
     decode.kill()
-    unlink_shm(ticket_of(ticket).shm_path)  # a killed decode worker leaves its cache file
+    unlink_shm(ticket_of(ticket).shared_cache)  # a killed decode worker leaves its cache file
     killed = time.monotonic()
     prefill_proc.resume()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import WorkerProcess, greedy
+from harness import DEVICE, WorkerProcess, greedy
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
@@ -101,7 +101,8 @@ def test_eagle_hidden_states_move_with_the_kv(
         HIDDEN_STATES: (40, 64),  # the prompt's positions x the tiny model's hidden size
         FIRST_POSITION: (1,),
     }
-    colocated = EngineCore(EngineConfig.create(model, speculative=spec, num_blocks=64))
+    config = EngineConfig.create(model, speculative=spec, num_blocks=64, device=str(DEVICE))
+    colocated = EngineCore(config)
     req = colocated.add_request("r", prompts[0], greedy(MAX_TOKENS))
     while colocated.has_unfinished():
         colocated.step()
