@@ -23,10 +23,11 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
-from kv_transfer.cuda_ipc import CudaSharedKVCache
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.shm import SharedCache, SharedKVCache, shm_available
+from kv_transfer.shm import SharedCache, create_shared_cache, shm_available
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
 from tandem.config import EngineConfig
@@ -101,15 +102,14 @@ class DecodeWorker(EngineLoop):
         engine = self.engine
         self.shm: SharedCache | None = None
         device = engine.runner.device
-        if shared_memory and (device.type == "cuda" or shm_available()):
+        if shared_memory and (device.type == "cuda" or (device.type == "cpu" and shm_available())):
             layout = KVLayout.of(engine.runner.kv_caches)
-            num_blocks = engine.kv_cache.num_blocks
-            self.shm = (
-                CudaSharedKVCache.create(layout, num_blocks, device)
-                if device.type == "cuda"
-                else SharedKVCache.create(layout, num_blocks)
-            )
-            engine.runner.use_kv_caches(self.shm.kv_caches)
+
+            def share() -> list[torch.Tensor]:
+                self.shm = create_shared_cache(layout, engine.kv_cache.num_blocks, device)
+                return self.shm.kv_caches
+
+            engine.runner.use_kv_caches(share)
         fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
         self.receiver = KVReceiver(
             engine.runner.kv_caches, fingerprint, host, port, self.shm, enable_pairs

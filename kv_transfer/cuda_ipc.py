@@ -11,16 +11,19 @@ numbering the two processes see; a GPU the sender cannot see is a ValueError (th
 uses another plane). Writes from the sender's stream are visible to the decode worker once the
 sender has synchronized that stream, which it does before announcing the layers (`ShmPlane`).
 
-The export lives as long as the decode worker's cache (the process's lifetime); torch's reference
-counter of the export keeps the allocation until every opener has dropped it.
+The decode worker exports its cache once and keeps it for its whole life, which is what keeps the
+allocation valid for the openers (torch's reference counter of an export expects one opener, so
+it is not relied on). A sender never writes into a decode worker that has gone: the transfer's
+stream breaks first (PEER_LOST).
 """
 
 from __future__ import annotations
 
 import base64
-import math
+import binascii
 
 import torch
+from google.protobuf.message import DecodeError
 
 from kv_transfer.ticket import KVLayout
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -68,7 +71,7 @@ class CudaSharedKVCache:
             offset_bytes=offset,
             ref_counter_handle=counter,
             ref_counter_offset=counter_offset,
-            event_handle=event or b"",
+            event_handle=event,
             event_sync_required=event_sync,
         )
         locator = LOCATOR_PREFIX + base64.urlsafe_b64encode(msg.SerializeToString()).decode()
@@ -77,9 +80,13 @@ class CudaSharedKVCache:
     @classmethod
     def attach(cls, locator: str, layout: KVLayout) -> CudaSharedKVCache:
         """Open another process's cache; ValueError if the locator or its size does not fit."""
-        if not is_cuda_locator(locator):
-            raise ValueError(f"not a CUDA IPC locator: {locator[:40]!r}")
-        msg = pb.CudaIpcCache.FromString(base64.urlsafe_b64decode(locator[len(LOCATOR_PREFIX) :]))
+        try:
+            if not is_cuda_locator(locator):
+                raise ValueError("no cuda-ipc: prefix")
+            data = base64.urlsafe_b64decode(locator[len(LOCATOR_PREFIX) :])
+            msg = pb.CudaIpcCache.FromString(data)
+        except (ValueError, binascii.Error, DecodeError) as e:
+            raise ValueError(f"not a CUDA IPC locator ({e}): {locator[:40]!r}") from e
         device = local_device(msg.device_uuid)
         per_block = layout.layer_nbytes(layout.block_size) * layout.num_layers
         if msg.size_bytes % per_block:
@@ -97,16 +104,9 @@ class CudaSharedKVCache:
             msg.event_handle,
             msg.event_sync_required,
         )
-        num_blocks = msg.size_bytes // per_block
         block = (layout.block_size, layout.num_kv_heads, layout.slot_dim)
-        shape = (layout.num_layers, 2, num_blocks, *block)
-        whole = torch.empty(0, dtype=layout.torch_dtype, device=device)
-        whole.set_(storage, 0, shape, _contiguous_strides(shape))
-        return cls(whole, layout, locator)
+        whole = torch.empty(0, dtype=layout.torch_dtype, device=device).set_(storage)
+        return cls(whole.view(layout.num_layers, 2, -1, *block), layout, locator)
 
     def close(self) -> None:
         self.kv_caches = []
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))

@@ -127,8 +127,8 @@ class ShmPlane(DataPlane):
     kind = pb.DATA_PLANE_SHM
 
     def __init__(self, target: SharedCache, ticket: KVTicket) -> None:
-        self.target = target
-        device = target.kv_caches[0].device
+        self.targets = target.kv_caches  # kept: the cache may be closed (LRU) while we write
+        device = self.targets[0].device
         self.dst_slots = slot_mapping(
             ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, device
         )
@@ -137,9 +137,10 @@ class ShmPlane(DataPlane):
     def send_layers(
         self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
-        targets = self.target.kv_caches
+        targets = self.targets
         if self._copy is None:  # the same slots for every layer: planned once
             self._copy = plan_copy(kv_caches[0], slots, targets[0], self.dst_slots)
+        on_gpu = kv_caches[0].is_cuda or targets[0].is_cuda
         for layer in layers:
             # The fence: past the receiver's deadline its blocks may belong to another request.
             if time.monotonic() >= deadline:
@@ -147,7 +148,16 @@ class ShmPlane(DataPlane):
                     FailureCause.TIMEOUT, "past the receiver's deadline: not writing"
                 )
             self._copy(kv_caches[layer], targets[layer])
-        for device in {kv_caches[0].device, targets[0].device}:  # done before it is announced
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
+            if on_gpu:  # landed before the next check of the fence (and before the marker)
+                _wait_for_copy(kv_caches[0].device, targets[0].device)
         yield layer_message(layers.start, num_layers=len(layers))
+
+
+def _wait_for_copy(*devices: torch.device) -> None:
+    """Until the work queued so far on each CUDA device's current stream has run (not what is
+    queued after it: an event, not a stream synchronize)."""
+    for device in set(devices):
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            event.synchronize()

@@ -358,8 +358,7 @@ class KVSender:
                 if want == "shm":
                     why = f"cannot open the receiver's shared cache: {e}"
                     raise TransferError(FailureCause.SETUP, why) from e
-                self.fallbacks += 1
-                log.warning("cannot open %s's shared cache (%s)", ticket.endpoint, e)
+                self._fell_back(f"cannot open {ticket.endpoint}'s shared cache ({e})")
         if want in ("auto", "pair") and ticket.pair_store:
             backend = backend_for(device)
             try:
@@ -368,9 +367,13 @@ class KVSender:
                 )
                 return PairPlane(pair, ticket.layout.num_layers)
             except Exception as e:
-                self.fallbacks += 1
-                log.warning("no %s pair with %s (%s); using gRPC", backend, ticket.endpoint, e)
+                self._fell_back(f"no {backend} pair with {ticket.endpoint} ({e}); using gRPC")
         return GrpcPlane(self.chunk_bytes)
+
+    def _fell_back(self, why: str) -> None:
+        with self._lock:
+            self.fallbacks += 1
+        log.warning("%s", why)
 
     def _channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:

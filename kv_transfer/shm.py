@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import math
 import os
+import threading
+import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -84,6 +86,13 @@ def remove_stale_caches() -> int:
 SharedCache = SharedKVCache | CudaSharedKVCache
 
 
+def create_shared_cache(layout: KVLayout, num_blocks: int, device: torch.device) -> SharedCache:
+    """A receiver's cache that same-host senders can open: CUDA IPC on a GPU, else /dev/shm."""
+    if device.type == "cuda":
+        return CudaSharedKVCache.create(layout, num_blocks, device)
+    return SharedKVCache.create(layout, num_blocks)
+
+
 def attach(locator: str, layout: KVLayout) -> SharedCache:
     """Open a receiver's shared cache by its ticket's locator: a CUDA IPC export or a path."""
     if is_cuda_locator(locator):
@@ -93,21 +102,34 @@ def attach(locator: str, layout: KVLayout) -> SharedCache:
 
 class SharedCacheAttachments:
     """The sender's open receivers' caches (mappings or CUDA IPC openings) by locator, least
-    recently used dropped first."""
+    recently used dropped first; a locator that could not be opened is not tried again for
+    `retry_s` (its error is raised again at once). Safe to call from several threads."""
 
-    def __init__(self, max_open: int = 16) -> None:
+    def __init__(self, max_open: int = 16, retry_s: float = 60.0) -> None:
         self.max_open = max_open
+        self.retry_s = retry_s
         self._open: OrderedDict[str, SharedCache] = OrderedDict()
+        self._failed: dict[str, tuple[float, Exception]] = {}  # locator -> (when, why)
+        self._lock = threading.Lock()
 
     def get(self, locator: str, layout: KVLayout) -> SharedCache:
-        cache = self._open.get(locator)
-        if cache is None or cache.layout != layout:
-            cache = self._open[locator] = attach(locator, layout)
-            while len(self._open) > self.max_open:
-                self._open.popitem(last=False)[1].close()
-        self._open.move_to_end(locator)
-        return cache
+        with self._lock:
+            failed = self._failed.get(locator)
+            if failed is not None and time.monotonic() - failed[0] < self.retry_s:
+                raise ValueError(f"{failed[1]} (failed {time.monotonic() - failed[0]:.0f} s ago)")
+            cache = self._open.get(locator)
+            if cache is None or cache.layout != layout:
+                try:
+                    cache = self._open[locator] = attach(locator, layout)
+                except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: CUDA's
+                    self._failed[locator] = (time.monotonic(), e)
+                    raise
+                while len(self._open) > self.max_open:  # planes keep the tensors they took
+                    self._open.popitem(last=False)[1].close()
+            self._open.move_to_end(locator)
+            return cache
 
     def close(self) -> None:
-        while self._open:
-            self._open.popitem()[1].close()
+        with self._lock:
+            while self._open:
+                self._open.popitem()[1].close()

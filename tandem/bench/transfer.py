@@ -260,18 +260,11 @@ class ChannelReceiver:
         self, config: BenchConfig, device: str, layout: KVLayout, num_blocks: int, shm: bool
     ) -> None:
         from kv_transfer import KVReceiver
-        from kv_transfer.cuda_ipc import CudaSharedKVCache
-        from kv_transfer.shm import SharedCache, SharedKVCache
+        from kv_transfer.shm import create_shared_cache
 
         self.device = torch.device(device)
         self.layout = layout
-        self.shm: SharedCache | None = None
-        if shm:
-            self.shm = (
-                CudaSharedKVCache.create(layout, num_blocks, self.device)
-                if self.device.type == "cuda"
-                else SharedKVCache.create(layout, num_blocks)
-            )
+        self.shm = create_shared_cache(layout, num_blocks, self.device) if shm else None
         shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         caches = (
             self.shm.kv_caches

@@ -75,14 +75,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.keep_hidden = False  # a proposer reads the target's hidden states (Medusa, EAGLE)
 
-    def use_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        """Compute into caller-provided KV tensors (e.g. shared memory) of the same layout; call
-        before the first step, since the current caches' contents are not copied."""
-        ours = self.kv_caches
-        if len(kv_caches) != len(ours) or any(
-            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
-            for a, b in zip(kv_caches, ours, strict=False)
-        ):
+    def use_kv_caches(self, make: Callable[[], list[torch.Tensor]]) -> None:
+        """Compute into KV tensors of the same layout that `make()` allocates (e.g. shared memory);
+        call before the first step, since the current caches' contents are not copied. The
+        engine's own caches are freed first, so the two never hold the device's memory at once."""
+        ours = [(c.shape, c.dtype, c.device) for c in self.kv_caches]
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed caches back to the driver, for make()
+        kv_caches = make()
+        if [(c.shape, c.dtype, c.device) for c in kv_caches] != ours:
             raise ValueError("KV caches must match the engine's layers, shape, dtype and device")
         self.kv_caches = kv_caches
 

@@ -218,11 +218,9 @@ class SimRunner:
         self.kv_caches = [torch.zeros(shape) for _ in range(profile.sim_layers)]
         self.busy_s = 0.0  # modelled seconds slept so far
 
-    def use_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
-        ours = self.kv_caches
-        if len(kv_caches) != len(ours) or any(
-            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(kv_caches, ours, strict=False)
-        ):
+    def use_kv_caches(self, make: Callable[[], list[torch.Tensor]]) -> None:
+        kv_caches = make()
+        if [(c.shape, c.dtype) for c in kv_caches] != [(c.shape, c.dtype) for c in self.kv_caches]:
             raise ValueError("KV caches must match the sim engine's layout")
         self.kv_caches = kv_caches
 

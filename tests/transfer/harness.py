@@ -37,11 +37,10 @@ import torch
 
 from decode_worker.worker import DecodeWorker, OutputStream
 from kv_transfer import Arrival, KVLayout, KVReceiver, KVSender, KVTicket, OutboundTransfer
-from kv_transfer.cuda_ipc import CudaSharedKVCache
 from kv_transfer.fake import FaultyPlane, at_layer
 from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.planes import DataPlane
-from kv_transfer.shm import SharedCache, SharedKVCache
+from kv_transfer.shm import SharedCache, create_shared_cache
 from kv_transfer.state import FailureCause, TransferError, TransferState
 from prefill_worker.worker import PrefillResult, PrefillWorker
 from tandem.config import EngineConfig
@@ -483,13 +482,8 @@ class _Host:
 
     def kv_receiver(self, name: str, layout: KVLayout, num_blocks: int, shm: bool = False) -> str:
         """A KVReceiver over zeroed caches (shared when `shm`); its endpoint."""
-        cache: SharedCache | None = None
-        if shm:
-            cache = (
-                CudaSharedKVCache.create(layout, num_blocks, DEVICE)
-                if DEVICE.type == "cuda"
-                else SharedKVCache.create(layout, num_blocks)
-            )
+        cache = create_shared_cache(layout, num_blocks, DEVICE) if shm else None
+        if cache is not None:
             kv_caches = cache.kv_caches
         else:
             shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.slot_dim)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, TransferState
+from kv_transfer import shm
 from kv_transfer.cuda_ipc import LOCATOR_PREFIX, CudaSharedKVCache, is_cuda_locator
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -60,6 +61,23 @@ def test_an_unopenable_cuda_cache_falls_back_or_fails_setup() -> None:
         for sender in senders.values():
             sender.close()
         receiver.close()
+
+
+def test_a_failed_open_is_not_retried_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def attach(locator: str, layout: KVLayout) -> shm.SharedCache:
+        calls.append(locator)
+        return CudaSharedKVCache.attach(locator, layout)
+
+    monkeypatch.setattr(shm, "attach", attach)
+    attachments = shm.SharedCacheAttachments(retry_s=60.0)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="not visible"):
+            attachments.get(NO_GPU, LAYOUT)
+    assert calls == [NO_GPU]
+    with pytest.raises(ValueError, match="not a CUDA IPC locator"):
+        attachments.get(LOCATOR_PREFIX + "!!not base64!!", LAYOUT)
 
 
 def _open_and_write(locator: str, conn: Connection) -> None:
