@@ -407,6 +407,8 @@ def _target(llm: LLM) -> LlamaForCausalLM:
 
 # --- evaluation -----------------------------------------------------------------------------
 
+EVAL_NO_BATCH_LIMIT = 1 << 30  # a disable_batch_size no evaluation batch comes near
+
 
 def evaluate(
     config: TrainConfig, prompts: Sequence[list[int]], missing_prefix: bool = False
@@ -418,6 +420,9 @@ def evaluate(
     spec: dict[str, Any] = {
         "method": config.method,
         "num_speculative_tokens": config.num_speculative_tokens,
+        # All prompts run as one batch, drafting as at batch 1: acceptance is measured, not
+        # speed (the device's batch-size schedule drafts nothing from 4 requests on a CPU).
+        "disable_batch_size": EVAL_NO_BATCH_LIMIT,
     }
     spec["draft_model" if config.method == "draft" else "path"] = config.out
     llm = LLM(
