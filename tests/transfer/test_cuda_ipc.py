@@ -16,8 +16,7 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
-from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, TransferState
-from kv_transfer import shm
+from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, TransferState, shm
 from kv_transfer.cuda_ipc import LOCATOR_PREFIX, CudaSharedKVCache, is_cuda_locator
 from tandem.v1 import kv_transfer_pb2 as pb
 
