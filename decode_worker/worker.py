@@ -27,7 +27,7 @@ import torch
 
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
 from kv_transfer.metrics import TransferMetrics
-from kv_transfer.shm import SharedCache, create_shared_cache, shm_available
+from kv_transfer.shm import SharedCache, can_share, create_shared_cache
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
 from tandem.config import EngineConfig
@@ -102,7 +102,7 @@ class DecodeWorker(EngineLoop):
         engine = self.engine
         self.shm: SharedCache | None = None
         device = engine.runner.device
-        if shared_memory and (device.type == "cuda" or (device.type == "cpu" and shm_available())):
+        if shared_memory and can_share(device):
             layout = KVLayout.of(engine.runner.kv_caches)
 
             def share() -> list[torch.Tensor]:

@@ -20,7 +20,6 @@ stream breaks first (PEER_LOST).
 from __future__ import annotations
 
 import base64
-import binascii
 
 import torch
 from google.protobuf.message import DecodeError
@@ -85,7 +84,7 @@ class CudaSharedKVCache:
                 raise ValueError("no cuda-ipc: prefix")
             data = base64.urlsafe_b64decode(locator[len(LOCATOR_PREFIX) :])
             msg = pb.CudaIpcCache.FromString(data)
-        except (ValueError, binascii.Error, DecodeError) as e:
+        except (ValueError, DecodeError) as e:  # binascii.Error is a ValueError
             raise ValueError(f"not a CUDA IPC locator ({e}): {locator[:40]!r}") from e
         device = local_device(msg.device_uuid)
         per_block = layout.layer_nbytes(layout.block_size) * layout.num_layers

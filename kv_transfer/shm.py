@@ -86,6 +86,11 @@ def remove_stale_caches() -> int:
 SharedCache = SharedKVCache | CudaSharedKVCache
 
 
+def can_share(device: torch.device) -> bool:
+    """Whether a cache on `device` can be shared with same-host senders."""
+    return device.type == "cuda" or (device.type == "cpu" and shm_available())
+
+
 def create_shared_cache(layout: KVLayout, num_blocks: int, device: torch.device) -> SharedCache:
     """A receiver's cache that same-host senders can open: CUDA IPC on a GPU, else /dev/shm."""
     if device.type == "cuda":

@@ -74,6 +74,11 @@ def ticket_of(data: bytes) -> KVTicket:
     return KVTicket.from_proto(pb.KVTicket.FromString(data))
 
 
+def engine_config(model: str, **options: Any) -> EngineConfig:
+    """The children's engine config: on DEVICE unless `options` name another device."""
+    return EngineConfig.create(model, **{"device": str(DEVICE), **options})
+
+
 def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -83,8 +88,7 @@ def colocated_greedy(
 ) -> list[list[int]]:
     """What an engine in the default role generates for the prompts, greedily; `options` go to
     the engine config."""
-    config = EngineConfig.create(model, **{"num_blocks": 256, "device": str(DEVICE), **options})
-    engine = EngineCore(config)
+    engine = EngineCore(engine_config(model, num_blocks=256, **options))
     reqs = [engine.add_request(f"r{i}", p, greedy(max_tokens)) for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
@@ -331,7 +335,7 @@ class _Host:
     ) -> None:
         """A started PrefillWorker (see use_sender for the sender's options); the rest go to
         the engine config."""
-        worker = PrefillWorker(EngineConfig.create(model, **{"device": str(DEVICE), **options}))
+        worker = PrefillWorker(engine_config(model, **options))
         self.objects[name] = worker
         worker.start()
         self.use_sender(name, channel, fingerprint, pause_at)
@@ -393,8 +397,7 @@ class _Host:
         engine config."""
         own = ("shared_memory", "enable_pairs", "transfer_timeout_s", "on_transfer_failure")
         kwargs = {k: options.pop(k) for k in own if k in options}
-        config = EngineConfig.create(model, **{"device": str(DEVICE), **options})
-        worker = _RecordingDecodeWorker(config, **kwargs)
+        worker = _RecordingDecodeWorker(engine_config(model, **options), **kwargs)
         self.objects[name] = worker
         worker.start()
 

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import DEVICE, WorkerProcess, greedy
+from harness import WorkerProcess, engine_config, greedy
 
-from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.spec.eagle import FIRST_POSITION, HIDDEN_STATES
 
@@ -101,8 +100,7 @@ def test_eagle_hidden_states_move_with_the_kv(
         HIDDEN_STATES: (40, 64),  # the prompt's positions x the tiny model's hidden size
         FIRST_POSITION: (1,),
     }
-    config = EngineConfig.create(model, speculative=spec, num_blocks=64, device=str(DEVICE))
-    colocated = EngineCore(config)
+    colocated = EngineCore(engine_config(model, speculative=spec, num_blocks=64))
     req = colocated.add_request("r", prompts[0], greedy(MAX_TOKENS))
     while colocated.has_unfinished():
         colocated.step()

@@ -169,6 +169,31 @@ inline void prefetch(const void* keys, const void* values, int64_t bytes) {
   }
 }
 
+// One block's step of a row's online softmax, its running maximum `m` so far: the scores
+// s[0, visible) become exp(s - m_new) (lanes past `visible` unspecified); gives m_new, the factor
+// that rescales what was summed before (0 for the first block) and the new exponentials' sum.
+// In whole registers, lanes past `visible` masked: a chain of 16 scalar steps each for the
+// maximum and the sum cost more than the scores' dot products.
+struct BlockSoftmax {
+  float m, rescale, sum;
+};
+
+inline BlockSoftmax block_softmax(float* s, int64_t visible, float m) {
+  simd::Vec highest = simd::Vec{} + m;
+  for (int64_t t = 0; t < visible; t += simd::kWidth) {
+    const simd::Vec v = simd::load(s + t);
+    highest = simd::visible(t, visible) && v > highest ? v : highest;
+  }
+  const float m_new = simd::max(highest);
+  simd::Vec sums = {};
+  for (int64_t t = 0; t < visible; t += simd::kWidth) {
+    const simd::Vec p = simd::exp(simd::load(s + t) - m_new);
+    sums += simd::visible(t, visible) ? p : simd::Vec{};
+    simd::store(s + t, p);
+  }
+  return {m_new, std::exp(m - m_new), simd::sum(sums)};
+}
+
 // Softmax state of one row over part of its context: running maximum `m`, sum of
 // exp(score - m) `l`, and the values weighted by those exponentials `acc` (online softmax).
 struct Partial {
@@ -214,26 +239,11 @@ void attend_blocks(const float* qbuf, const T* key_cache, const T* value_cache,
       const float* qr = qbuf + r * head_dim;
       for (int64_t t = 0; t < visible; ++t)
         s[t] = dot(qr, keys.data() + (t * num_kv_heads + h) * head_dim, head_dim);
-      // In whole registers, lanes past `visible` masked: a chain of 16 scalar steps each for
-      // the maximum and the sum cost more than the scores' dot products.
-      simd::Vec highest = simd::Vec{} + part.m[r];
-      for (int64_t t = 0; t < visible; t += simd::kWidth) {
-        const simd::Vec v = simd::load(s + t);
-        highest = simd::visible(t, visible) && v > highest ? v : highest;
-      }
-      const float m_new = simd::max(highest);
-      const float rescale = std::exp(part.m[r] - m_new);  // 0 for the first block
-      simd::Vec sums = {};
-      for (int64_t t = 0; t < visible; t += simd::kWidth) {
-        const simd::Vec p = simd::exp(simd::load(s + t) - m_new);
-        sums += simd::visible(t, visible) ? p : simd::Vec{};
-        simd::store(s + t, p);  // lanes past `visible` go unused
-      }
-      const float sum = simd::sum(sums);
-      weighted_sum(part.acc + r * head_dim, rescale, s, values.data() + h * head_dim, visible,
-                   num_kv_heads * head_dim, head_dim);
-      part.l[r] = part.l[r] * rescale + sum;
-      part.m[r] = m_new;
+      const BlockSoftmax soft = block_softmax(s, visible, part.m[r]);
+      weighted_sum(part.acc + r * head_dim, soft.rescale, s, values.data() + h * head_dim,
+                   visible, num_kv_heads * head_dim, head_dim);
+      part.l[r] = part.l[r] * soft.rescale + soft.sum;
+      part.m[r] = soft.m;
     }
   }
 }
@@ -290,23 +300,10 @@ void attend_blocks_bf16(const uint16_t* qbits, const uint16_t* key_cache,
         for (int64_t j = 0; j < group; ++j) {
           const int64_t r = i * num_heads + h * group + j;
           bf16_scores<C>(qbits + r * head_dim, keys, token_stride, visible, scale, s);
-          __m512 highest = _mm512_set1_ps(part.m[r]);
+          const BlockSoftmax soft = block_softmax(s, visible, part.m[r]);
           for (int64_t t = 0; t < visible; t += 16) {
             const __mmask16 lanes = _cvtu32_mask16((1u << std::min<int64_t>(16, visible - t)) - 1);
-            highest = _mm512_mask_max_ps(highest, lanes, highest, _mm512_load_ps(s + t));
-          }
-          const float m_new = _mm512_reduce_max_ps(highest);
-          const float rescale = std::exp(part.m[r] - m_new);  // 0 for the first block
-          __m512 sums = _mm512_setzero_ps();
-          for (int64_t t = 0; t < visible; t += 16) {
-            const __mmask16 lanes = _cvtu32_mask16((1u << std::min<int64_t>(16, visible - t)) - 1);
-            simd::Vec x;
-            std::memcpy(&x, s + t, sizeof x);
-            const simd::Vec e = simd::exp(x - m_new);
-            __m512 p;
-            std::memcpy(&p, &e, sizeof p);
-            p = _mm512_maskz_mov_ps(lanes, p);
-            sums = _mm512_add_ps(sums, p);
+            const __m512 p = _mm512_maskz_loadu_ps(lanes, s + t);  // 0 past `visible`
             // p = high + low, two bfloat16 of 8 bits each: 16 bits of p weight the values
             const __m256bh high = _mm512_cvtneps_pbh(p);
             const __m256bh low = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(high)));
@@ -316,7 +313,8 @@ void attend_blocks_bf16(const uint16_t* qbits, const uint16_t* key_cache,
           float* acc_r = part.acc + r * head_dim;
           __m512 acc[2 * C];
           for (int k = 0; k < 2 * C; ++k)
-            acc[k] = _mm512_mul_ps(_mm512_loadu_ps(acc_r + 16 * k), _mm512_set1_ps(rescale));
+            acc[k] = _mm512_mul_ps(_mm512_loadu_ps(acc_r + 16 * k),
+                                   _mm512_set1_ps(soft.rescale));
           for (int64_t u = 0; 2 * u < visible; ++u) {
             int32_t high, low;  // p of tokens 2u and 2u + 1 (0 past `visible`)
             std::memcpy(&high, p_high + 2 * u, sizeof high);
@@ -328,8 +326,8 @@ void attend_blocks_bf16(const uint16_t* qbits, const uint16_t* key_cache,
                                         (__m512bh)pairs[u][k], wl);
           }
           for (int k = 0; k < 2 * C; ++k) _mm512_storeu_ps(acc_r + 16 * k, acc[k]);
-          part.l[r] = part.l[r] * rescale + _mm512_reduce_add_ps(sums);
-          part.m[r] = m_new;
+          part.l[r] = part.l[r] * soft.rescale + soft.sum;
+          part.m[r] = soft.m;
         }
       }
     }
