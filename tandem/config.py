@@ -122,6 +122,8 @@ class SpecConfig:
     # no drafts once this many requests run, fewer as it nears; None: the device's default
     # (spec/adaptive.py: 32 on CUDA, 4 on CPU)
     disable_batch_size: int | None = None
+    # draft only as much as the measured step and proposer times pay for (spec/cost.py)
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         if self.disable_batch_size is not None and self.disable_batch_size < 1:

@@ -16,6 +16,7 @@ import torch
 from tandem import hub
 from tandem.engine import engine as engine_module
 from tandem.engine.spec import adaptive
+from tandem.engine.spec.cost import DraftLengthControl
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +29,23 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(num_threads)
 
 
+class DraftsAsTheLimitsAllow(DraftLengthControl):
+    """Test double of the cost model: every step drafts as many tokens as the acceptance and
+    batch limits allow, whatever the measured times say."""
+
+    def choose(self, acceptances: Any, caps: Any, num_decoding: int) -> int:
+        return max(caps, default=0)
+
+
 @pytest.fixture(autouse=True)
 def speculate_in_any_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """In-process engines draft up to a batch of 32 whatever the device: the exactness tests
     speculate in batches of 5, which CPU's default (no drafts from 4 running requests,
-    spec/adaptive.py) would leave undrafted. Worker processes keep the default; the defaults
-    themselves are tested in test_spec_adaptive.py."""
+    spec/adaptive.py) would leave undrafted. And they draft whether or not it pays: draft counts
+    that follow measured times (spec/cost.py) would make the tests of the drafting machinery
+    depend on the machine's speed. Worker processes keep the defaults; the defaults themselves
+    are tested in test_spec_adaptive.py and test_spec_cost.py."""
+    monkeypatch.setattr(engine_module, "DraftLengthControl", DraftsAsTheLimitsAllow)
     monkeypatch.setattr(
         engine_module,
         "disable_batch_size",

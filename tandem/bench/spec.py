@@ -280,6 +280,7 @@ def counters(stats: SpecStats) -> dict[str, Any]:
         "accepted_per_position": list(stats.accepted_per_position),
         "propose_s": stats.propose_seconds,
         "verify_s": stats.verify_seconds,
+        "plain_by_cost": stats.num_plain_by_cost,
     }
 
 
@@ -592,6 +593,7 @@ def acceptance(counters: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "per_position": [a / d if d else None for a, d in zip(kept, drafted, strict=True)],
         "propose_s": sum(c["propose_s"] for c in counters),
         "verify_s": sum(c["verify_s"] for c in counters),
+        "plain_by_cost": sum(c["plain_by_cost"] for c in counters),
     }
 
 

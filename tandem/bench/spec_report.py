@@ -65,7 +65,15 @@ def _method_table(config: dict[str, Any], label: str, rows: Sequence[dict[str, A
     )
     for name in ("scope", "batch", "no spec", "spec", "spec / no", "per run", "TPOT x"):
         table.add_column(name, justify="left" if name == "scope" else "right", no_wrap=True)
-    for name in ("accept", "acc. len", "per position", "propose / verify s", "same", "/ HF lookup"):
+    for name in (
+        "accept",
+        "acc. len",
+        "per position",
+        "propose / verify s",
+        "undrafted",
+        "same",
+        "/ HF lookup",
+    ):
         table.add_column(name, justify="right", no_wrap=True)
     for r in _group_rows(rows) or rows:
         acc = r.get("acceptance", {})
@@ -82,6 +90,7 @@ def _method_table(config: dict[str, Any], label: str, rows: Sequence[dict[str, A
             _num(acc.get("mean_acceptance_length"), ".2f"),
             _positions(acc.get("per_position", [])),
             f"{_num(acc.get('propose_s'), '.2f')} / {_num(acc.get('verify_s'), '.2f')}",
+            str(acc.get("plain_by_cost", "-")),
             f"{r['same_output']}/{r['requests']}",
             _num(r["vs_hf_lookup"], ".2f", "x"),
         )

@@ -28,6 +28,7 @@ from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.sim import SimModel, SimProfile, SimRunner
 from tandem.engine.spec.adaptive import disable_batch_size, num_draft_tokens
+from tandem.engine.spec.cost import DraftLengthControl
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import make_proposer
 from tandem.engine.spec.proposer import Proposer, StepHidden
@@ -110,6 +111,7 @@ class EngineCore:
         self.proposer: Proposer | None = None
         if config.spec.method is not None:
             self.proposer = make_proposer(config.spec, self.runner, self.kv_cache, mc)
+        self.draft_control = DraftLengthControl()  # drafts as the measured costs pay for
 
     def add_request(
         self,
@@ -175,9 +177,16 @@ class EngineCore:
             for s in out.scheduled
         }
         verifying = any(sr.draft_token_ids for sr in out.scheduled)
+        decoding = all(
+            s.num_new_tokens == len(s.draft_token_ids) + 1
+            and s.request.num_computed_tokens >= s.request.num_prompt_tokens
+            for s in out.scheduled
+        )
         start = time.perf_counter()
         result = self.runner.execute(out, tables, self._layer_hook(out))
         changed = self.scheduler.update(out, result.tokens)
+        if self.proposer is not None and decoding:
+            self.draft_control.costs.observe_step(out.num_tokens, time.perf_counter() - start)
         deltas = [
             RequestDelta(r, kept, result.logprobs.get(r.request_id, [])[: len(kept)])
             for r, kept in changed
@@ -219,15 +228,18 @@ class EngineCore:
         self, proposer: Proposer, hidden: StepHidden | None, requests: list[Request] | None = None
     ) -> None:
         """Drafts for the next step of the running requests (or of `requests`): as many as each
-        one's acceptance and the batch size warrant, never past max_tokens or the context; none
-        for a prefill chunk. Its time counts as the proposer's."""
+        one's acceptance and the batch size allow, never past max_tokens or the context, and
+        as many of those as the measured costs pay for; none for a prefill chunk. Its time
+        counts as the proposer's."""
         start = time.perf_counter()
         spec = self.config.spec
         running = self.scheduler.running
-        batch: list[tuple[Request, int]] = []
+        limits: list[tuple[Request, int]] = []  # each decoding request and its most drafts
         no_drafts_from = disable_batch_size(spec.disable_batch_size, self.config.model.torch_device)
+        num_decoding = 0  # requests whose next step computes one position (plus drafts)
         for req in running if requests is None else requests:
             req.spec_token_ids, req.spec_draft_probs = [], None
+            num_decoding += req.num_tokens - req.num_computed_tokens == 1
             if not req.speculative or req.num_tokens - req.num_computed_tokens != 1:
                 continue
             room = min(
@@ -240,11 +252,18 @@ class EngineCore:
                 len(running),
                 no_drafts_from,
             )
-            k = min(k, room - 1)
-            if k > 0:
-                batch.append((req, k))
+            limits.append((req, max(min(k, room - 1), 0)))
+        if spec.cost_aware and requests is None and any(k for _, k in limits):
+            acceptances = [req.spec_acceptance for req, _ in limits]
+            caps = [most for _, most in limits]
+            k = self.draft_control.choose(acceptances, caps, num_decoding)
+            self.scheduler.spec_stats.num_plain_by_cost += k == 0
+            limits = [(req, min(k, most)) for req, most in limits]
+        batch = [(req, k) for req, k in limits if k > 0]
         if batch or hidden is not None:
             drafts = proposer.propose(batch, hidden)
             for (req, _), draft in zip(batch, drafts, strict=True):
                 req.spec_token_ids, req.spec_draft_probs = draft.token_ids, draft.probs
-        self.scheduler.spec_stats.propose_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.draft_control.costs.observe_propose(max((k for _, k in batch), default=0), seconds)
+        self.scheduler.spec_stats.propose_seconds += seconds

@@ -50,6 +50,7 @@ def test_summary_ratios_acceptance_and_targets() -> None:
         "accepted_per_position": [9, 7, 4],
         "propose_s": 0.1,
         "verify_s": 1.0,
+        "plain_by_cost": 3,
     }
     samples = []
     for category, spec_wall in (("summarization", 0.4), ("writing", 2.0)):

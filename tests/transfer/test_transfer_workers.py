@@ -92,6 +92,7 @@ def test_eagle_hidden_states_move_with_the_kv(
     """With them, the decode worker drafts and accepts exactly as a colocated engine does."""
     model = str(tiny_llama_path)
     spec = {"method": "eagle", "path": str(tiny_eagle_path), "num_speculative_tokens": 3}
+    spec["cost_aware"] = False  # draft counts that do not follow the machine's step times
     prefill_proc.call("prefill_worker", "p", model, "grpc", num_blocks=64, speculative=spec)
     decode_proc.call("decode_worker", "d", model, num_blocks=64, speculative=spec)
     prompts = prompts_of([40], vocab=256)  # one: the batch size sets how many drafts

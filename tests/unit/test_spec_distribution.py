@@ -57,7 +57,12 @@ PROPOSERS = ("hash_draft", "ngram")
 ALPHA = 1e-3 / (len(PROPOSERS) * NUM_OUT)  # Bonferroni over the real runs' checks
 MIN_EXPECTED = 5.0  # cells expected fewer times are pooled
 ENGINE_OPTIONS = dict(
-    speculative={"method": "ngram", "num_speculative_tokens": K, "disable_batch_size": 10**6},
+    speculative={  # drafts in every batch, whatever they cost (module-scoped: no conftest patch)
+        "method": "ngram",
+        "num_speculative_tokens": K,
+        "disable_batch_size": 10**6,
+        "cost_aware": False,
+    },
     block_size=4,
     num_blocks=400,  # 256 requests need up to ~770: some are preempted and recomputed
     max_num_seqs=256,

@@ -19,6 +19,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     propose_seconds: float = 0.0  # time in the proposer
     verify_seconds: float = 0.0  # time in target steps that verified drafts
+    num_plain_by_cost: int = 0  # steps the cost model left undrafted (its probes included)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -421,8 +421,10 @@ def evaluate(
         "method": config.method,
         "num_speculative_tokens": config.num_speculative_tokens,
         # All prompts run as one batch, drafting as at batch 1: acceptance is measured, not
-        # speed (the device's batch-size schedule drafts nothing from 4 requests on a CPU).
+        # speed (the device's batch-size schedule drafts nothing from 4 requests on a CPU, and
+        # the cost model would draft less where drafts do not pay).
         "disable_batch_size": EVAL_NO_BATCH_LIMIT,
+        "cost_aware": False,
     }
     spec["draft_model" if config.method == "draft" else "path"] = config.out
     llm = LLM(
