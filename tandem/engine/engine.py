@@ -248,13 +248,13 @@ class EngineCore:
             )
             k = num_draft_tokens(
                 spec.num_speculative_tokens,
-                req.spec_acceptance,
+                req.spec_acceptance.rate,
                 len(running),
                 no_drafts_from,
             )
             limits.append((req, max(min(k, room - 1), 0)))
         if spec.cost_aware and requests is None and any(k for _, k in limits):
-            acceptances = [req.spec_acceptance for req, _ in limits]
+            acceptances = [req.spec_acceptance.rate for req, _ in limits]
             caps = [most for _, most in limits]
             k = self.draft_control.choose(acceptances, caps, num_decoding)
             self.scheduler.spec_stats.num_plain_by_cost += k == 0

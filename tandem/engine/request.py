@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.spec.adaptive import INITIAL_ACCEPTANCE
+from tandem.engine.spec.adaptive import Acceptance
 
 
 class RequestStatus(enum.Enum):
@@ -61,7 +61,7 @@ class Request:
     speculative: bool = True  # False: this request never gets drafts
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] q; None: one-hot
-    spec_acceptance: float = INITIAL_ACCEPTANCE  # moving average of the draft acceptance rate
+    spec_acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafts, per token
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.spec.adaptive import update_acceptance
 from tandem.engine.spec.metrics import SpecStats
 
 
@@ -225,9 +224,7 @@ class Scheduler:
                 req.metrics.num_draft_tokens += len(s.draft_token_ids)
                 req.metrics.num_accepted_tokens += num_accepted
                 self.spec_stats.observe(len(s.draft_token_ids), num_accepted)
-                req.spec_acceptance = update_acceptance(
-                    req.spec_acceptance, len(s.draft_token_ids), num_accepted
-                )
+                req.spec_acceptance.observe(len(s.draft_token_ids), num_accepted)
             kept: list[int] = []
             for token in tokens:
                 req.append_output(token, now)

@@ -3,10 +3,10 @@
 Speculation pays while decode is memory-bound: verifying k extra tokens costs little at small
 batch and real compute at large batch. Two limits, the smaller wins:
 
-- acceptance: with a per-token acceptance rate a (a moving average per request), the k-th draft
-  is reached and accepted with probability ~ a**k; drafting stops at the k where that falls below
-  `min_accept_prob`. At least one token is still drafted, so a request whose acceptance recovers
-  is noticed.
+- acceptance: with a per-token acceptance rate a (a moving average per request, `Acceptance`),
+  the k-th draft is reached and accepted with probability ~ a**k; drafting stops at the k where
+  that falls below `min_accept_prob`. At least one token is still drafted, so a request whose
+  acceptance recovers is noticed.
 - batch: k shrinks linearly with the running batch and is 0 from `disable_batch_size` on. Its
   default depends on the device (`DISABLE_BATCH_SIZE`): on a GPU a verify step of a few extra
   rows per request costs about a decode step until the batch is large; on a CPU the linear layers
@@ -19,6 +19,7 @@ batch and real compute at large batch. Two limits, the smaller wins:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -36,8 +37,25 @@ def disable_batch_size(configured: int | None, device: torch.device) -> int:
     return DISABLE_BATCH_SIZE.get(device.type, DEFAULT_DISABLE_BATCH_SIZE)
 
 
-def update_acceptance(average: float, num_drafts: int, num_accepted: int) -> float:
-    return average + ACCEPTANCE_EMA * (num_accepted / num_drafts - average)
+@dataclass
+class Acceptance:
+    """A request's per-token acceptance rate a: the chance that a draft is accepted once the
+    drafts before it were. A verify step that accepts j of k drafts tried j + 1 of them (j
+    successes and the rejection) when j < k, and k when all were accepted; the rate is the ratio
+    of the moving averages of successes and tries. (accepted / drafted would count the drafts
+    after the first rejection as failures too: at a = 0.6 and k = 5 it reads 0.28.)"""
+
+    accepted: float = INITIAL_ACCEPTANCE
+    tried: float = 1.0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        tried = num_accepted + (num_accepted < num_drafts)
+        self.accepted += ACCEPTANCE_EMA * (num_accepted - self.accepted)
+        self.tried += ACCEPTANCE_EMA * (tried - self.tried)
 
 
 def num_draft_tokens(
