@@ -33,6 +33,10 @@ DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
 SpecOpt = Annotated[str | None, typer.Option(help="Speculative decoding: ngram|draft|layerskip:N.")]
 DraftModelOpt = Annotated[str | None, typer.Option(help="--spec draft: the draft model.")]
+SpecCostOpt = Annotated[
+    bool,
+    typer.Option(help="Draft only as far as measured step times say it pays (off: always draft)."),
+]
 QuantOpt = Annotated[str | None, typer.Option(help="Weights of the linear layers: int8 | int4.")]
 GroupSizeOpt = Annotated[
     int, typer.Option(help="int4: input channels per scale and zero (32 | 64 | 128 | 256).")
@@ -86,6 +90,7 @@ def generate(
     spec: SpecOpt = None,
     draft_model: DraftModelOpt = None,
     num_spec_tokens: int = 5,
+    spec_cost_aware: SpecCostOpt = True,
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
     model: ModelOpt = DEFAULT_MODEL,
@@ -96,7 +101,9 @@ def generate(
     """Generate a completion with the offline engine, streamed to the terminal."""
     from tandem.engine import LLM, SamplingParams
 
-    speculative = _speculative(spec, draft_model, num_speculative_tokens=num_spec_tokens)
+    speculative = _speculative(
+        spec, draft_model, num_speculative_tokens=num_spec_tokens, cost_aware=spec_cost_aware
+    )
     try:
         llm = LLM(
             model,
@@ -157,11 +164,12 @@ def _engine_config(
     device: str,
     spec: str | None,
     draft_model: str | None = None,
+    spec_cost_aware: bool = True,
     **flat: object,
 ) -> Any:
     from tandem.config import EngineConfig
 
-    speculative = _speculative(spec, draft_model)
+    speculative = _speculative(spec, draft_model, cost_aware=spec_cost_aware)
     return EngineConfig.create(model, speculative, dtype=dtype, device=device, **flat)
 
 
@@ -437,6 +445,7 @@ def worker(
     chunked_prefill: Annotated[bool, typer.Option(help="Split long prompts over steps.")] = True,
     spec: SpecOpt = None,
     draft_model: DraftModelOpt = None,
+    spec_cost_aware: SpecCostOpt = True,
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
@@ -455,7 +464,7 @@ def worker(
         raise typer.BadParameter("must be prefill or decode", param_hint="ROLE")
     stop = drain_signal()  # before registering: a signal during startup still drains
     config = _engine_config(
-        model, dtype, device, spec if role == "decode" else None, draft_model,
+        model, dtype, device, spec if role == "decode" else None, draft_model, spec_cost_aware,
         memory_gib=kv_memory_gib, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
         num_threads=num_threads, max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,

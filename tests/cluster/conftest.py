@@ -39,11 +39,12 @@ def running(cluster: LocalCluster, timeout_s: float = 180.0) -> Iterator[LocalCl
 
 
 class SpecPairCluster(LocalCluster):
-    """Its second and later decode workers run n-gram speculative decoding."""
+    """Its second and later decode workers run n-gram speculative decoding, drafting at every
+    step (the cost-aware draft length would draft as this machine's step times say it pays)."""
 
     def add_worker(self, role: str) -> WorkerProcess:
         if role == "decode" and any(w.role == "decode" for w in self.workers):
-            self.decode_args = ["--spec", "ngram"]
+            self.decode_args = ["--spec", "ngram", "--no-spec-cost-aware"]
         return super().add_worker(role)
 
 
