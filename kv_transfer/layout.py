@@ -19,14 +19,16 @@ Copies on CPU follow the shape of the slots, and never touch fresh memory they d
 - the gRPC plane sends a layer as views of the cache's own rows, one per run (`wire_pieces`), so
   the one copy is the join into the message, and the receiver writes rows from the message;
 - a gather can write into a staging tensor the caller reuses (the pair plane's);
-- large indexed copies run on a few threads.
+- large indexed copies run on a few threads; the layers that a shared-memory copy finds ready
+  together go over them whole, a share of the layers each (`plan_layer_copy`).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
@@ -228,6 +230,68 @@ def plan_copy(
                 rows_of(d_layer, block_size), db, rows_of(s_layer, block_size), sb
             )
     return lambda s_layer, d_layer: _indexed_copy(rows_of(d_layer), d, rows_of(s_layer), s)
+
+
+def plan_layer_copy(
+    src: Sequence[torch.Tensor],
+    src_slots: torch.Tensor,
+    dst: Sequence[torch.Tensor],
+    dst_slots: torch.Tensor,
+) -> Callable[[range, float], bool]:
+    """`plan_copy` for runs of layers of two caches (lists of layers): call it with each run of
+    layers ready and a time (`time.monotonic()`) from which no layer may start; it returns False
+    when it stopped there.
+
+    With the native copy on the CPU, a run of layers is split over the copy threads, whole layers
+    each: one hand-off per run, where a layer at a time over all the threads pays one per layer
+    (a shared-memory transfer of SmolLM2's 30 layers: 3.5 -> 1.8 ms at 512 tokens, 16 -> 6.5 ms
+    at 2k, 34 -> 25 ms at 8k, measured on 2 cores). Elsewhere layer by layer, a CUDA copy landed
+    before the next layer starts."""
+    copy = plan_copy(src[0], src_slots, dst[0], dst_slots)
+    devices = (src[0].device, dst[0].device)
+
+    def layer_by_layer(layers: range, until: float) -> bool:
+        for layer in layers:
+            if time.monotonic() >= until:
+                return False
+            copy(src[layer], dst[layer])
+            wait_for_copy(*devices)
+        return True
+
+    ext = _native()
+    cpu = all(device.type == "cpu" for device in devices)
+    if ext is None or not cpu or src[0].dtype != dst[0].dtype or COPY_THREADS == 1:
+        return layer_by_layer
+    s = kv_rows(src_slots, src[0].shape[1] * src[0].shape[2])
+    d = kv_rows(dst_slots, dst[0].shape[1] * dst[0].shape[2])
+    layer_nbytes = len(s) * row_nbytes(src[0])
+
+    def share(layers: range, until: float) -> bool:
+        for layer in layers:
+            if time.monotonic() >= until:
+                return False
+            to, fro = rows_of(dst[layer]), rows_of(src[layer])
+            ext.copy_rows(to, d, fro, s, to.dtype.itemsize, True)
+        return True
+
+    def over_threads(layers: range, until: float) -> bool:
+        if len(layers) == 1 or len(layers) * layer_nbytes < PARALLEL_BYTES:
+            return layer_by_layer(layers, until)  # one layer: over the threads by rows
+        n = min(COPY_THREADS, len(layers))
+        shares = [layers[len(layers) * i // n : len(layers) * (i + 1) // n] for i in range(n)]
+        return all(list(_copy_pool().map(share, shares, itertools.repeat(until))))
+
+    return over_threads
+
+
+def wait_for_copy(*devices: torch.device) -> None:
+    """Until the work queued so far on each CUDA device's current stream has run (not what is
+    queued after it: an event, not a stream synchronize)."""
+    for device in set(devices):
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            event.synchronize()
 
 
 def scatter_tokens(cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.distributed import Work
 
-from kv_transfer.layout import gather_tokens, plan_copy, row_nbytes, slot_mapping, wire_pieces
+from kv_transfer.layout import gather_tokens, plan_layer_copy, row_nbytes, slot_mapping, wire_pieces
 from kv_transfer.pairs import WINDOW_BYTES, Pair, wait_done
 from kv_transfer.shm import SharedCache
 from kv_transfer.state import FailureCause, TransferError
@@ -132,32 +132,15 @@ class ShmPlane(DataPlane):
         self.dst_slots = slot_mapping(
             ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, device
         )
-        self._copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+        self._copy: Callable[[range, float], bool] | None = None
 
     def send_layers(
         self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
-        targets = self.targets
         if self._copy is None:  # the same slots for every layer: planned once
-            self._copy = plan_copy(kv_caches[0], slots, targets[0], self.dst_slots)
-        on_gpu = kv_caches[0].is_cuda or targets[0].is_cuda
-        for layer in layers:
-            # The fence: past the receiver's deadline its blocks may belong to another request.
-            if time.monotonic() >= deadline:
-                raise TransferError(
-                    FailureCause.TIMEOUT, "past the receiver's deadline: not writing"
-                )
-            self._copy(kv_caches[layer], targets[layer])
-            if on_gpu:  # landed before the next check of the fence (and before the marker)
-                _wait_for_copy(kv_caches[0].device, targets[0].device)
+            self._copy = plan_layer_copy(kv_caches, slots, self.targets, self.dst_slots)
+        # The fence: past the receiver's deadline its blocks may belong to another request, so
+        # no layer starts then (each lands before the marker, and before the next one starts).
+        if not self._copy(layers, deadline):
+            raise TransferError(FailureCause.TIMEOUT, "past the receiver's deadline: not writing")
         yield layer_message(layers.start, num_layers=len(layers))
-
-
-def _wait_for_copy(*devices: torch.device) -> None:
-    """Until the work queued so far on each CUDA device's current stream has run (not what is
-    queued after it: an event, not a stream synchronize)."""
-    for device in set(devices):
-        if device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            event.synchronize()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +18,7 @@ from kv_transfer.layout import (
     from_bytes,
     gather_tokens,
     plan_copy,
+    plan_layer_copy,
     scatter_tokens,
     slot_mapping,
 )
@@ -102,6 +104,33 @@ def test_copy_and_gather_scatter_paths_agree(
         assert torch.equal(gather_tokens(dst, dst_slots), expected)
         others = [b for b in range(num_dst_blocks) if b not in dst_blocks]
         assert int(dst[:, others].count_nonzero()) == 0  # nothing outside the reservation
+
+
+@pytest.mark.parametrize("copier", ["native", "numpy"])
+@pytest.mark.parametrize("layers", [range(0, 5), range(2, 3), range(1, 4)])
+def test_layer_copy_writes_the_layers_asked_and_stops_at_its_time(
+    monkeypatch: pytest.MonkeyPatch, copier: str, layers: range
+) -> None:
+    """Runs of layers split over the copy threads (native) or copied one by one (NumPy) land
+    exactly where plan_copy puts one layer; none starts at or past `until`."""
+    if copier == "numpy":
+        monkeypatch.setattr(layout, "_native", lambda: None)
+    monkeypatch.setattr(layout, "PARALLEL_BYTES", 0)
+    monkeypatch.setattr(layout, "COPY_THREADS", 2)
+    n, gen = 14, torch.Generator().manual_seed(4)
+    src = [torch.randn(2, 8, 4, 2, 8, generator=gen) for _ in range(5)]
+    src_slots = slot_mapping([6, 1, 3, 0], 4, n, CPU)
+    dst_slots = slot_mapping([2, 7, 4, 5], 4, n, CPU)
+    dst = list(torch.zeros(5, 2, 8, 4, 2, 8).unbind(0))  # one storage, as a shared cache
+    copy = plan_layer_copy(src, src_slots, dst, dst_slots)
+    assert not copy(layers, time.monotonic() - 1.0)
+    assert all(int(d.count_nonzero()) == 0 for d in dst)  # past its time: nothing written
+    assert copy(layers, time.monotonic() + 60.0)
+    for i in range(5):
+        expected = gather_tokens(src[i], src_slots) if i in layers else torch.zeros(2, n, 2, 8)
+        assert torch.equal(gather_tokens(dst[i], dst_slots), expected), f"layer {i}"
+    others = [b for b in range(8) if b not in (2, 7, 4, 5)]
+    assert all(int(d[:, others].count_nonzero()) == 0 for d in dst)
 
 
 @pytest.mark.usefixtures("one_thread")  # torch's own OpenMP team does not survive a fork
