@@ -119,6 +119,9 @@ class SpecConfig:
     draft_model: str | None = None  # draft: catalogue name, HF directory or .gguf path
     num_layers: int | None = None  # layerskip: the target's first N layers draft
     path: str | None = None  # medusa / eagle: directory of the trained heads
+    # medusa / eagle heads saved with a token ranking draft over its first N tokens; 0: the
+    # whole vocabulary (spec/draft_vocab.py)
+    draft_vocab_size: int = 8192
     # no drafts once this many requests run, fewer as it nears; None: the device's default
     # (spec/adaptive.py: 32 on CUDA, 4 on CPU)
     disable_batch_size: int | None = None
@@ -148,6 +151,8 @@ class SpecConfig:
         }
         if self.method in needs and getattr(self, needs[self.method]) is None:
             raise ValueError(f"speculative method {self.method!r} needs {needs[self.method]!r}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
 

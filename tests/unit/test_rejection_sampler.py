@@ -37,7 +37,11 @@ DRAFT = torch.tensor(  # [K + 1, vocab] q; the last row only feeds the bonus-fro
     dtype=torch.float64,
 )
 VOCAB = TARGET.shape[1]
-CASES = ("draft_probs", "one_hot")
+# q of a draft vocabulary (spec/draft_vocab.py): no mass on the tokens outside it, here 4 and 5
+SUBSET_DRAFT = DRAFT * torch.tensor([1.0, 1, 1, 1, 0, 0], dtype=torch.float64)
+SUBSET_DRAFT /= SUBSET_DRAFT.sum(dim=-1, keepdim=True)
+Q_OF = {"draft_probs": DRAFT, "subset_probs": SUBSET_DRAFT}  # the cases with draft probabilities
+CASES = ("draft_probs", "subset_probs", "one_hot")
 MUTANTS = ("residual_from_p", "bonus_from_q", "always_accept")
 # K + 1 "position j | first j accepted" and K "correction | first rejection at j" checks per
 # case, plus one check per mutant: alpha = 1e-3 over the whole file, Bonferroni.
@@ -57,14 +61,14 @@ class Trial:
 def run_trial(case: str) -> Trial:
     drafting = torch.Generator().manual_seed(1234)
     # One-hot drafts are accepted with probability sum p q only: draft from a closer mixture.
-    drafted_from = DRAFT if case == "draft_probs" else 0.5 * (DRAFT + TARGET)
+    drafted_from = Q_OF.get(case, 0.5 * (DRAFT + TARGET))
     drafts = torch.multinomial(
         drafted_from[:K].float(), NUM_SAMPLES, replacement=True, generator=drafting
     ).T.contiguous()  # [N, K]
     target_probs = TARGET.float().expand(NUM_SAMPLES, K + 1, VOCAB)
     draft_probs = None
-    if case == "draft_probs":
-        draft_probs = DRAFT[:K].float().expand(NUM_SAMPLES, K, VOCAB)
+    if case in Q_OF:
+        draft_probs = drafted_from[:K].float().expand(NUM_SAMPLES, K, VOCAB)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(99)
         out = rejection_sample(
@@ -90,7 +94,9 @@ def expected_correction(trial: Trial, j: int) -> Tensor:
     p = TARGET[j]
     weights = torch.zeros(VOCAB, dtype=torch.float64)
     for x in range(VOCAB):
-        q = DRAFT[j] if trial.draft_probs is not None else torch.eye(VOCAB, dtype=torch.float64)[x]
+        q = trial.drafted_from[j] if trial.draft_probs is not None else torch.eye(VOCAB)[x]
+        if trial.drafted_from[j, x] == 0:
+            continue  # never drafted
         reject = 1 - min(1.0, float(p[x] / q[x]))
         residual = (p - q).clamp(min=0)
         weights += trial.drafted_from[j, x] * reject * residual / residual.sum()

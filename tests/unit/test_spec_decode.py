@@ -127,6 +127,7 @@ def test_drafts_never_pass_max_tokens(tiny_llama_path: Path) -> None:
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
         ({"method": "medusa"}, "method"),
         ({"method": "ngram", "ngram_min": 3, "ngram_max": 2}, "ngram_min"),
+        ({"method": "eagle", "path": "heads", "draft_vocab_size": -1}, "draft_vocab_size"),
     ],
 )
 def test_bad_config_names_the_field(spec: dict, field: str) -> None:

@@ -5,12 +5,14 @@ with chunked prefill in the same steps and with prefix-cache hits (the EAGLE hea
 prefix); the EAGLE head's incremental KV catch-up must equal a from-scratch pass over the same
 pairs; checkpoints round-trip in our layouts and load from the public Medusa and EAGLE layouts;
 heads for another hidden size or vocabulary are refused; each `tandem spec train` method runs a
-few steps on a tiny model, saves, and the result loads into the engine.
+few steps on a tiny model, saves, and the result loads into the engine. Heads saved with a token
+ranking ("+vocab") draft only from its tokens and still leave the output exact.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from tandem.engine.models import load_model
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
+from tandem.engine.spec.draft_vocab import VOCAB_FILE, DraftVocab, draft_lm_head, save_ranking
 from tandem.engine.spec.eagle import (
     FIRST_POSITION,
     HIDDEN_STATES,
@@ -64,6 +67,9 @@ def random_eagle(target: LlamaForCausalLM, seed: int) -> EagleHead:
     return EagleHead(cfg, backend, True, cfg.max_position_embeddings, torch.float32, CPU)
 
 
+DRAFT_VOCAB = torch.randperm(256, generator=torch.Generator().manual_seed(7))[:96]  # ids
+
+
 @pytest.fixture(scope="module")
 def head_dirs(
     tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path, target: LlamaForCausalLM
@@ -76,7 +82,16 @@ def head_dirs(
     medusa = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, False, torch.float32, CPU)
     save_medusa(medusa, root / "medusa", base)
     save_eagle(random_eagle(target, 2), root / "eagle", base)
-    return {"medusa": root / "medusa", "eagle": root / "eagle"}
+    dirs = {"medusa": root / "medusa", "eagle": root / "eagle"}
+    for method in ("medusa", "eagle"):  # the same heads with a draft vocabulary of 96 tokens
+        dirs[f"{method}+vocab"] = shutil.copytree(dirs[method], root / f"{method}+vocab")
+        save_ranking(dirs[f"{method}+vocab"], [DRAFT_VOCAB, DRAFT_VOCAB[:40]])
+    return dirs
+
+
+def spec_of(name: str, path: Path, k: int = 3) -> dict[str, object]:
+    """`speculative` options for head_dirs' `name` ("eagle", "medusa+vocab", ...)."""
+    return {"method": name.split("+")[0], "path": str(path), "num_speculative_tokens": k}
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -141,14 +156,14 @@ def scratch(
     return caches, meta
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "medusa+vocab", "eagle+vocab"])
 @pytest.mark.parametrize("budget", [2048, 12])  # 12: prompts are chunked while others verify
 def test_greedy_output_equals_plain_decoding(
     tiny_llama_path: Path, head_dirs: dict[str, Path], method: str, budget: int
 ) -> None:
     batch = prompts(0, [30, 9, 50, 17, 3])
     plain = run(make(tiny_llama_path, max_num_batched_tokens=budget), batch, GREEDY)
-    spec = {"method": method, "path": str(head_dirs[method]), "num_speculative_tokens": 3}
+    spec = spec_of(method, head_dirs[method])
     engine = make(tiny_llama_path, spec, max_num_batched_tokens=budget)
     assert run(engine, batch, GREEDY) == plain
     # Again on the same engine: the prompts' full blocks are prefix-cache hits, so the EAGLE
@@ -201,17 +216,58 @@ def test_eagle_prompt_state_hands_over_as_if_computed_on_the_decode_side(
     assert draft.token_ids == req.spec_token_ids
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("method", ["medusa", "eagle", "medusa+vocab", "eagle+vocab"])
 def test_sampling_is_reproducible_and_accepts_drafts(
     tiny_llama_path: Path, head_dirs: dict[str, Path], method: str
 ) -> None:
     params = SamplingParams(max_tokens=30, temperature=1.0, seed=5, ignore_eos=True)
-    spec = {"method": method, "path": str(head_dirs[method]), "num_speculative_tokens": 3}
+    spec = spec_of(method, head_dirs[method])
     batch = prompts(1, [20, 35, 8])
     engine = make(tiny_llama_path, spec, max_num_batched_tokens=16)
     first = run(engine, batch, params)
     assert engine.scheduler.spec_stats.num_accepted_tokens > 0
     assert run(make(tiny_llama_path, spec), batch, params) == first
+
+
+@pytest.mark.parametrize("method", ["medusa+vocab", "eagle+vocab"])
+def test_heads_draft_only_from_their_draft_vocabulary(
+    tiny_llama_path: Path, head_dirs: dict[str, Path], method: str
+) -> None:
+    engine = make(tiny_llama_path, spec_of(method, head_dirs[method]))
+    proposer = engine.proposer
+    assert proposer is not None
+    drafted: list[int] = []
+    propose = proposer.propose
+
+    def recording(batch: list[tuple[Request, int]], hidden: object = None) -> list:
+        drafts = propose(batch, hidden)  # type: ignore[arg-type]
+        drafted.extend(t for d in drafts for t in d.token_ids)
+        return drafts
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+    run(engine, prompts(2, [20, 35, 8]), params)
+    assert len(drafted) > 50 and set(drafted) <= set(DRAFT_VOCAB.tolist())
+
+
+def test_draft_vocabulary_logits(target: LlamaForCausalLM, head_dirs: dict[str, Path]) -> None:
+    """The target's logits on the vocabulary's tokens, -inf elsewhere; the ranking's first N
+    tokens by count; the whole head without a ranking or with N = 0."""
+    hidden = torch.randn(3, target.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    full = target.compute_logits(hidden)
+    lm_head = draft_lm_head(head_dirs["eagle+vocab"], 8192, target)
+    assert isinstance(lm_head, DraftVocab) and len(lm_head) == 96
+    logits = lm_head(hidden)
+    inside = torch.zeros(256, dtype=torch.bool)
+    inside[DRAFT_VOCAB] = True
+    torch.testing.assert_close(logits[:, inside], full[:, inside])
+    assert bool((logits[:, ~inside] == float("-inf")).all())
+    ranked = json.loads((head_dirs["eagle+vocab"] / VOCAB_FILE).read_text())["ranked_token_ids"]
+    assert set(ranked[:40]) == set(DRAFT_VOCAB[:40].tolist())  # counted twice: ranked first
+    top = draft_lm_head(head_dirs["eagle+vocab"], 40, target)
+    assert isinstance(top, DraftVocab) and set(top.token_ids.tolist()) == set(ranked[:40])
+    for path, size in ((head_dirs["eagle"], 8192), (head_dirs["eagle+vocab"], 0)):
+        assert draft_lm_head(path, size, target) == target.compute_logits
 
 
 def test_our_layouts_round_trip(target: LlamaForCausalLM, head_dirs: dict[str, Path]) -> None:
@@ -338,6 +394,7 @@ def test_spec_train_runs_saves_and_loads(
     assert result.steps >= 1 and result.num_sequences >= 1
     assert result.acceptance["drafts"] > 0
     assert json.loads((out / "train_report.json").read_text())["method"] == method
+    assert (out / VOCAB_FILE).is_file() == (method != "draft")  # heads draft over a ranking
     key = "draft_model" if method == "draft" else "path"
     llm = LLM(str(tiny_llama_path), speculative={"method": method, key: str(out)})
     (output,) = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0))

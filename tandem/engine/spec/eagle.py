@@ -80,6 +80,7 @@ from tandem.engine.models.loader import iter_weights, load_config
 from tandem.engine.models.rope import RotaryEmbedding
 from tandem.engine.request import Request
 from tandem.engine.spec.draft_sampling import DraftChain, extend_chains
+from tandem.engine.spec.draft_vocab import LMHead
 from tandem.engine.spec.heads import (
     check_fits,
     hf_config,
@@ -253,6 +254,7 @@ class EagleProposer(Proposer):
         self,
         head: EagleHead,
         target: LlamaForCausalLM,
+        lm_head: LMHead,
         num_blocks: int,
         block_size: int,
         device: torch.device,
@@ -260,6 +262,7 @@ class EagleProposer(Proposer):
     ) -> None:
         self.head = head
         self.target = target
+        self.lm_head = lm_head  # the target's, or over a draft vocabulary (draft_vocab.py)
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -284,7 +287,7 @@ class EagleProposer(Proposer):
                 if step:
                     self._feed_drafts(live, step)
                 features = torch.stack([j.latest for j in live])  # [len(live), hidden]
-                logits = self.target.compute_logits(features.to(self.head.dtype))
+                logits = self.lm_head(features.to(self.head.dtype))
                 extend_chains([j.chain for j in live], logits, self.eos_token_ids)
         drafts = {j.chain.request.request_id: j.chain.draft() for j in jobs}
         return [drafts.get(req.request_id, NO_DRAFT) for req, _ in batch]

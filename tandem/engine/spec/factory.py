@@ -9,6 +9,7 @@ from tandem.config import ModelSettings, SpecConfig
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.runner import ModelRunner
 from tandem.engine.spec.draft import layerskip_proposer, load_draft_proposer
+from tandem.engine.spec.draft_vocab import draft_lm_head
 from tandem.engine.spec.eagle import EagleProposer, load_eagle
 from tandem.engine.spec.medusa import MedusaProposer, load_medusa
 from tandem.engine.spec.ngram import NgramProposer
@@ -53,10 +54,17 @@ def _heads_proposer(
     assert spec.path is not None  # SpecConfig requires it for these methods
     model, dtype, device = runner.model, settings.torch_dtype, settings.torch_device
     runner.keep_hidden = True
+    lm_head = draft_lm_head(spec.path, spec.draft_vocab_size, model)
     if spec.method == "medusa":
         heads = load_medusa(spec.path, model, dtype, device)
-        return MedusaProposer(heads, model, runner.eos_token_ids)
+        return MedusaProposer(heads, lm_head, runner.eos_token_ids)
     head = load_eagle(spec.path, model, kv_cache.block_size, dtype, device)
     return EagleProposer(
-        head, model, kv_cache.num_blocks, kv_cache.block_size, device, runner.eos_token_ids
+        head,
+        model,
+        lm_head,
+        kv_cache.num_blocks,
+        kv_cache.block_size,
+        device,
+        runner.eos_token_ids,
     )

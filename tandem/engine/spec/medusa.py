@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.spec.draft_sampling import DraftChain, extend_chains
+from tandem.engine.spec.draft_vocab import LMHead
 from tandem.engine.spec.heads import (
     WEIGHTS_FILE,
     check_fits,
@@ -91,12 +92,12 @@ class MedusaHeads(nn.ModuleList):
         self.num_layers = num_layers
         self.own_lm_head = own_lm_head
 
-    def logits(self, hidden: Tensor, target: LlamaForCausalLM) -> Tensor:
+    def logits(self, hidden: Tensor, lm_head: LMHead) -> Tensor:
         """hidden: [n, hidden] target states -> [num_heads, n, vocab] float32."""
         outs = torch.stack([head(hidden) for head in self])  # [num_heads, n, hidden or vocab]
         if self.own_lm_head:
             return outs.float()
-        return target.compute_logits(outs.flatten(0, 1)).view(len(self), hidden.shape[0], -1)
+        return lm_head(outs.flatten(0, 1)).view(len(self), hidden.shape[0], -1)
 
     def config(self) -> dict[str, object]:
         """Our config.json fields for these heads (the base model's are added by the caller)."""
@@ -161,10 +162,10 @@ class MedusaProposer(Proposer):
     needs_hidden_states = True
 
     def __init__(
-        self, heads: MedusaHeads, target: LlamaForCausalLM, eos_token_ids: tuple[int, ...] = ()
+        self, heads: MedusaHeads, lm_head: LMHead, eos_token_ids: tuple[int, ...] = ()
     ) -> None:
         self.heads = heads
-        self.target = target
+        self.lm_head = lm_head  # shared heads' logits: the target's, or a draft vocabulary's
         self.eos_token_ids = eos_token_ids
         # request id -> (position, [hidden] its target state): for a request the scheduler
         # skipped in the last step, whose state is then not in that step's hidden states
@@ -182,7 +183,7 @@ class MedusaProposer(Proposer):
                 chains.append(DraftChain(req, min(k, len(self.heads))))
                 states.append(state)
         if chains:
-            logits = self.heads.logits(torch.stack(states), self.target)  # [heads, n, vocab]
+            logits = self.heads.logits(torch.stack(states), self.lm_head)  # [heads, n, vocab]
             for i in range(max(c.k for c in chains)):
                 live = [n for n, c in enumerate(chains) if c.k > i]
                 extend_chains([chains[n] for n in live], logits[i, live], self.eos_token_ids)

@@ -19,7 +19,9 @@ target on CPU (or any device) within a time budget.
    acceptance length and per-position acceptance from `engine.scheduler.spec_stats`. For EAGLE
    also with the prompts' hidden states missing (a prefix-cache hit over the prompt, which is what
    a decode worker sees: its prompt KV came from a prefill worker).
-4. Save: weights (safetensors) and config.json to `out`, and `train_report.json` beside them.
+4. Save: weights (safetensors) and config.json to `out`, and `train_report.json` beside them;
+   for Medusa and EAGLE also the corpus's tokens ranked by count (`draft_vocab.json`), the
+   heads' draft vocabulary (`draft_vocab.py`), which the evaluation uses too.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.spec.draft_vocab import save_ranking
 from tandem.engine.spec.eagle import EagleHead, save_eagle
 from tandem.engine.spec.heads import base_model_fields, hf_config, hf_tensors, save_heads
 from tandem.engine.spec.medusa import MedusaHeads, save_medusa
@@ -302,7 +305,7 @@ class _MedusaTrainer(_Trainer):
         num_heads = len(self.heads)
         count = max(1, batches.config.loss_rows // num_heads)
         states, pairs = batches.positions(count, lookahead=num_heads)
-        logits = self.heads.logits(states, self.target)  # [heads, n, vocab]
+        logits = self.heads.logits(states, self.target.compute_logits)  # [heads, n, vocab]
         total = states.new_zeros(())
         for i in range(num_heads):
             with torch.no_grad():
@@ -488,6 +491,8 @@ def train(config: TrainConfig, console: Console) -> TrainResult:
         _target(llm).requires_grad_(False)
         steps, seconds, loss = _fit(trainer, corpus, config, start + TRAIN_SHARE * budget, progress)
     trainer.save(out)
+    if config.method in ("medusa", "eagle"):  # heads draft over the corpus's frequent tokens
+        save_ranking(out, [s.tokens for s in corpus])
     num_tokens = sum(len(s.tokens) for s in corpus)
     console.print(
         f"{config.method}: {len(corpus)} sequences ({num_tokens} tokens), {steps} steps in "
