@@ -119,8 +119,8 @@ class SpecConfig:
     draft_model: str | None = None  # draft: catalogue name, HF directory or .gguf path
     num_layers: int | None = None  # layerskip: the target's first N layers draft
     path: str | None = None  # medusa / eagle: directory of the trained heads
-    # medusa / eagle heads saved with a token ranking draft over its first N tokens; 0: the
-    # whole vocabulary (spec/draft_vocab.py)
+    # medusa / eagle heads and draft models saved with a token ranking draft over its first N
+    # tokens; 0: the whole vocabulary (spec/draft_vocab.py)
     draft_vocab_size: int = 8192
     # no drafts once this many requests run, fewer as it nears; None: the device's default
     # (spec/adaptive.py: 32 on CUDA, 4 on CPU)

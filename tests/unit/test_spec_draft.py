@@ -21,6 +21,7 @@ from test_spec_decode import DATA, make, prompts, run
 from tandem.config import EngineConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.engine import EngineCore
+from tandem.engine.spec.draft_vocab import save_ranking
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -73,11 +74,23 @@ def spec_run(
     return [r.output_token_ids for r in reqs], *drafted(reqs)
 
 
-@pytest.fixture(params=["draft", "self", "layerskip"])
-def spec(request: pytest.FixtureRequest, draft_path: Path, tiny_llama_path: Path) -> dict:
-    """A random smaller draft, the target drafting for itself, its first layer drafting."""
+@pytest.fixture(scope="module")
+def draft_vocab_path(tmp_path_factory: pytest.TempPathFactory, draft_path: Path) -> Path:
+    """The same draft, saved with a ranking of 160 of the 256 tokens (a draft vocabulary)."""
+    path = shutil.copytree(draft_path, tmp_path_factory.mktemp("vocab") / "draft")
+    save_ranking(path, [torch.randperm(256, generator=torch.Generator().manual_seed(5))[:160]])
+    return path
+
+
+@pytest.fixture(params=["draft", "draft+vocab", "self", "layerskip"])
+def spec(
+    request: pytest.FixtureRequest, draft_path: Path, draft_vocab_path: Path, tiny_llama_path: Path
+) -> dict:
+    """A random smaller draft (also over a draft vocabulary), the target drafting for itself,
+    its first layer drafting."""
     return {
         "draft": {"method": "draft", "draft_model": str(draft_path)},
+        "draft+vocab": {"method": "draft", "draft_model": str(draft_vocab_path)},
         "self": {"method": "draft", "draft_model": str(tiny_llama_path)},
         "layerskip": {"method": "layerskip", "num_layers": 1},
     }[request.param] | {"num_speculative_tokens": 4}

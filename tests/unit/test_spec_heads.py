@@ -394,7 +394,7 @@ def test_spec_train_runs_saves_and_loads(
     assert result.steps >= 1 and result.num_sequences >= 1
     assert result.acceptance["drafts"] > 0
     assert json.loads((out / "train_report.json").read_text())["method"] == method
-    assert (out / VOCAB_FILE).is_file() == (method != "draft")  # heads draft over a ranking
+    assert (out / VOCAB_FILE).is_file()  # the result drafts over the corpus's tokens
     key = "draft_model" if method == "draft" else "path"
     llm = LLM(str(tiny_llama_path), speculative={"method": method, key: str(out)})
     (output,) = llm.generate(["hello"], SamplingParams(max_tokens=8, temperature=0.0))

@@ -15,7 +15,9 @@ forward over the tokens the draft has not seen plus the last known token, then k
 forwards, batched across requests (requests with a smaller k drop out). Each draft is sampled
 from q, the draft's distribution processed like the target's (penalties see the drafts so far,
 temperature/top-k/top-p/min-p; greedy requests take the argmax; `draft_sampling.py`), and q
-goes to the verifier.
+goes to the verifier. A draft model saved with a token ranking (`spec train --method draft`)
+scores only its first `draft_vocab_size` tokens (`draft_vocab.py`); layer-skip, which has none,
+scores the whole vocabulary.
 
 A request's draft state (own-KV drafts only) lives from its first draft to `release`:
 
@@ -47,6 +49,7 @@ from tandem.engine.models.loader import load_config, load_tokenizer
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.spec.draft_sampling import DraftChain, extend_chains
+from tandem.engine.spec.draft_vocab import LMHead, draft_lm_head
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
 
 
@@ -88,12 +91,15 @@ class DraftModelProposer(Proposer):
         eos_token_ids: tuple[int, ...] = (),
         num_layers: int | None = None,
         own_kv: bool = True,
+        lm_head: LMHead | None = None,
     ) -> None:
         """`kv_caches()` gives the KV tensors of the layers the draft runs (read every step: the
         runner may swap its own). `num_layers` runs only the model's first layers. `own_kv`:
         the KV is the draft's own and must catch up; False: it is the target's, valid up to
-        each request's `num_computed_tokens`."""
+        each request's `num_computed_tokens`. `lm_head`: the model's own unless given (a draft
+        vocabulary's)."""
         self.model = model
+        self.lm_head = model.compute_logits if lm_head is None else lm_head
         self.kv_caches = kv_caches
         self.kv_cache = kv_cache
         self.device = device
@@ -165,7 +171,7 @@ class DraftModelProposer(Proposer):
             meta,
             num_layers=self.num_layers,
         )  # [num_tokens, hidden]
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=dev)])
+        return self.lm_head(hidden[torch.tensor(last_rows, device=dev)])
 
 
 def draft_kv_bytes_per_block(
@@ -222,7 +228,10 @@ def load_draft_proposer(
     caches = [
         torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(draft_cfg.num_layers)
     ]
-    return DraftModelProposer(model, lambda: caches, kv_cache, device, runner.eos_token_ids)
+    lm_head = draft_lm_head(path, spec.draft_vocab_size, model)
+    return DraftModelProposer(
+        model, lambda: caches, kv_cache, device, runner.eos_token_ids, lm_head=lm_head
+    )
 
 
 def layerskip_proposer(

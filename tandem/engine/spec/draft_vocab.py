@@ -1,14 +1,15 @@
-"""A draft vocabulary: draft heads score only the tokens the target emits most often (FR-Spec,
-Zhao et al. 2025).
+"""A draft vocabulary: drafters score only the tokens the target emits most often (FR-Spec, Zhao
+et al. 2025).
 
 Medusa and EAGLE heads are small, but their logits come from the target's LM head: SmolLM2's is
 49152 x 576, 113 MB in float32, read for every drafted position (9.8 ms of a ~21 ms decode step
-at batch 1 on 2 CPU cores; its 8192 most frequent rows: 0.8 ms). So a head drafts over the first
-N tokens of a frequency ranking saved beside it (`spec train` counts the tokens of its corpus into
-`draft_vocab.json`), and a token outside them is never drafted. Exactness is untouched: the
+at batch 1 on 2 CPU cores; its 8192 most frequent rows: 0.8 ms), and a small draft model's own
+LM head is as large. So a drafter scores the first N tokens of a frequency ranking saved beside
+it (`spec train` counts the tokens of its corpus into `draft_vocab.json`), and a token outside
+them is never drafted. Exactness is untouched: the
 logits of the other tokens are -inf, so q is 0 there, and verification accepts or corrects every
-draft under q as before. Heads without a ranking (the public checkpoints) score the whole
-vocabulary.
+draft under q as before. Drafters without a ranking (public checkpoints, layer-skip) score the
+whole vocabulary.
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ def load_ranking(path: Path) -> list[int] | None:
 
 
 class DraftVocab:
-    """The target's LM head restricted to `token_ids`; logits of the other tokens are -inf."""
+    """A model's LM head restricted to `token_ids`; logits of the other tokens are -inf."""
 
-    def __init__(self, token_ids: Iterable[int], target: LlamaForCausalLM) -> None:
-        weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    def __init__(self, token_ids: Iterable[int], model: LlamaForCausalLM) -> None:
+        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         self.vocab_size = weight.shape[0]
         ids = sorted(set(token_ids))
         if not ids or ids[0] < 0 or ids[-1] >= self.vocab_size:
@@ -70,10 +71,11 @@ class DraftVocab:
         return logits
 
 
-def draft_lm_head(path: str | Path, size: int, target: LlamaForCausalLM) -> LMHead:
-    """The LM head of the heads at `path`: over the first `size` tokens of their ranking, or the
-    target's whole head (no ranking, `size` 0, or a ranking no shorter than the vocabulary)."""
+def draft_lm_head(path: str | Path, size: int, model: LlamaForCausalLM) -> LMHead:
+    """The LM head for the drafter saved at `path` (heads, or a draft model): `model`'s (the
+    target's for heads) over the first `size` tokens of the ranking saved there, or the whole
+    head (no ranking, `size` 0, or a ranking no shorter than the vocabulary)."""
     ranked = load_ranking(Path(path))
-    if ranked is None or size == 0 or min(size, len(ranked)) >= target.cfg.vocab_size:
-        return target.compute_logits
-    return DraftVocab(ranked[:size], target)
+    if ranked is None or size == 0 or min(size, len(ranked)) >= model.cfg.vocab_size:
+        return model.compute_logits
+    return DraftVocab(ranked[:size], model)

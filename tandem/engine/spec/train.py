@@ -20,8 +20,8 @@ target on CPU (or any device) within a time budget.
    also with the prompts' hidden states missing (a prefix-cache hit over the prompt, which is what
    a decode worker sees: its prompt KV came from a prefill worker).
 4. Save: weights (safetensors) and config.json to `out`, and `train_report.json` beside them;
-   for Medusa and EAGLE also the corpus's tokens ranked by count (`draft_vocab.json`), the
-   heads' draft vocabulary (`draft_vocab.py`), which the evaluation uses too.
+   and the corpus's tokens ranked by count (`draft_vocab.json`), the draft vocabulary
+   (`draft_vocab.py`), which the evaluation uses too.
 """
 
 from __future__ import annotations
@@ -491,8 +491,7 @@ def train(config: TrainConfig, console: Console) -> TrainResult:
         _target(llm).requires_grad_(False)
         steps, seconds, loss = _fit(trainer, corpus, config, start + TRAIN_SHARE * budget, progress)
     trainer.save(out)
-    if config.method in ("medusa", "eagle"):  # heads draft over the corpus's frequent tokens
-        save_ranking(out, [s.tokens for s in corpus])
+    save_ranking(out, [s.tokens for s in corpus])  # drafts score the corpus's frequent tokens
     num_tokens = sum(len(s.tokens) for s in corpus)
     console.print(
         f"{config.method}: {len(corpus)} sequences ({num_tokens} tokens), {steps} steps in "
