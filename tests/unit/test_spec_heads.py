@@ -270,6 +270,17 @@ def test_draft_vocabulary_logits(target: LlamaForCausalLM, head_dirs: dict[str, 
         assert draft_lm_head(path, size, target) == target.compute_logits
 
 
+@pytest.mark.parametrize(
+    "ranking", ['{"ranked_token_ids": [1, 2, 999]}', '{"ids": [1]}', '["x"]', "{", "[]"]
+)
+def test_a_bad_draft_vocabulary_is_refused_naming_its_file(
+    tmp_path: Path, target: LlamaForCausalLM, ranking: str
+) -> None:
+    (tmp_path / VOCAB_FILE).write_text(ranking)
+    with pytest.raises(ValueError, match=r"draft_vocab\.json"):  # names the file
+        draft_lm_head(tmp_path, 8192, target)
+
+
 def test_our_layouts_round_trip(target: LlamaForCausalLM, head_dirs: dict[str, Path]) -> None:
     medusa = load_medusa(head_dirs["medusa"], target, torch.float32, CPU)
     assert (len(medusa), medusa.num_layers, medusa.own_lm_head) == (3, 1, False)

@@ -6,10 +6,9 @@ Medusa and EAGLE heads are small, but their logits come from the target's LM hea
 at batch 1 on 2 CPU cores; its 8192 most frequent rows: 0.8 ms), and a small draft model's own
 LM head is as large. So a drafter scores the first N tokens of a frequency ranking saved beside
 it (`spec train` counts the tokens of its corpus into `draft_vocab.json`), and a token outside
-them is never drafted. Exactness is untouched: the
-logits of the other tokens are -inf, so q is 0 there, and verification accepts or corrects every
-draft under q as before. Drafters without a ranking (public checkpoints, layer-skip) score the
-whole vocabulary.
+them is never drafted. Exactness is untouched: the logits of the other tokens are -inf, so q is
+0 there, and verification accepts or corrects every draft under q as before. Drafters without a
+ranking (public checkpoints, layer-skip) score the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -41,11 +40,14 @@ def save_ranking(out: Path, sequences: Iterable[Tensor]) -> None:
 
 
 def load_ranking(path: Path) -> list[int] | None:
-    """The ranking saved with the heads at `path`, or None."""
+    """The ranking saved with the drafter at `path`, or None; ValueError if it is not one."""
     file = path / VOCAB_FILE
     if not file.is_file():
         return None
-    ranked: list[int] = json.loads(file.read_text())["ranked_token_ids"]
+    try:
+        ranked = [int(token) for token in json.loads(file.read_text())["ranked_token_ids"]]
+    except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{file} is not a token ranking ({type(e).__name__}: {e})") from None
     return ranked
 
 
@@ -78,4 +80,7 @@ def draft_lm_head(path: str | Path, size: int, model: LlamaForCausalLM) -> LMHea
     ranked = load_ranking(Path(path))
     if ranked is None or size == 0 or min(size, len(ranked)) >= model.cfg.vocab_size:
         return model.compute_logits
-    return DraftVocab(ranked[:size], model)
+    try:
+        return DraftVocab(ranked[:size], model)
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / VOCAB_FILE}: {e}") from None
