@@ -15,7 +15,7 @@ from tandem.bench.quant_cli import bench_quant
 from tandem.bench.serve_cli import bench_serve, bench_sla
 from tandem.bench.sim_cli import register_sim_commands
 from tandem.bench.spec_cli import bench_spec
-from tandem.config import DEFAULT_MODEL
+from tandem.config import DEFAULT_MODEL, parse_speculative
 from tandem.spec_cli import spec_train
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
@@ -31,7 +31,12 @@ console = Console()
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
-SpecOpt = Annotated[str | None, typer.Option(help="Speculative decoding: ngram|draft|layerskip:N.")]
+SpecOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Speculative decoding: ngram | draft[:MODEL] | layerskip:N | medusa:DIR | eagle:DIR."
+    ),
+]
 DraftModelOpt = Annotated[str | None, typer.Option(help="--spec draft: the draft model.")]
 SpecCostOpt = Annotated[
     bool,
@@ -144,21 +149,20 @@ def generate(
 def _speculative(
     spec: str | None, draft_model: str | None, **options: Any
 ) -> dict[str, Any] | None:
-    """`--spec METHOD[:N]` (N: layerskip's num_layers) and `--draft-model` as the engine's
-    `speculative` dict; None without --spec."""
+    """`--spec METHOD[:ARG]` and `--draft-model` as the engine's `speculative` dict; None
+    without --spec."""
     if not spec:
         return None
-    method, _, arg = spec.partition(":")
-    if arg and (method != "layerskip" or not arg.isdigit()):
-        raise typer.BadParameter(f"expected ngram, draft or layerskip:N, got {spec!r}")
-    if arg:
-        options["num_layers"] = int(arg)
     if draft_model is not None:
         options["draft_model"] = draft_model
-    return {"method": method, **options}
+    try:
+        return parse_speculative(spec, **options)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--spec") from None
 
 
 def _engine_config(
+    role: str,
     model: str,
     dtype: str,
     device: str,
@@ -167,9 +171,14 @@ def _engine_config(
     spec_cost_aware: bool = True,
     **flat: object,
 ) -> Any:
+    """A worker's engine: a decode worker's speculates as `--spec` says; a prefill worker's
+    runs the proposer too when it hands state over (EAGLE), else none."""
     from tandem.config import EngineConfig
+    from tandem.engine.spec.factory import prefill_speculative
 
     speculative = _speculative(spec, draft_model, cost_aware=spec_cost_aware)
+    if role == "prefill":
+        speculative = prefill_speculative(speculative)
     return EngineConfig.create(model, speculative, dtype=dtype, device=device, **flat)
 
 
@@ -464,7 +473,7 @@ def worker(
         raise typer.BadParameter("must be prefill or decode", param_hint="ROLE")
     stop = drain_signal()  # before registering: a signal during startup still drains
     config = _engine_config(
-        model, dtype, device, spec if role == "decode" else None, draft_model, spec_cost_aware,
+        role, model, dtype, device, spec, draft_model, spec_cost_aware,
         memory_gib=kv_memory_gib, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
         num_threads=num_threads, max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,

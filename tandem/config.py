@@ -157,6 +157,38 @@ class SpecConfig:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
 
 
+# The one argument of each method in `METHOD:ARG` (parse_speculative)
+SPEC_ARGUMENTS = {
+    "layerskip": "num_layers",
+    "draft": "draft_model",
+    "medusa": "path",
+    "eagle": "path",
+}
+
+
+def parse_speculative(text: str, **options: Any) -> dict[str, Any]:
+    """`METHOD[:ARG]` ("ngram", "layerskip:N", "draft:MODEL", "medusa:DIR", "eagle:DIR"), plus
+    further `SpecConfig` fields, as the engine's `speculative` dict; ValueError names what is
+    wrong. ARG may instead come in `options` (e.g. `draft_model`)."""
+    name, _, arg = text.strip().partition(":")
+    spec: dict[str, Any] = {"method": name, **options}
+    if name == "ngram":
+        if arg:
+            raise ValueError(f"speculative method {text!r}: ngram takes no argument")
+    elif name in SPEC_ARGUMENTS:
+        field_name = SPEC_ARGUMENTS[name]
+        if arg and name == "layerskip" and not arg.isdigit():
+            raise ValueError(f"speculative method {text!r}: write layerskip:N, N the layers")
+        if arg:
+            spec[field_name] = int(arg) if name == "layerskip" else arg
+        elif spec.get(field_name) is None:
+            raise ValueError(f"speculative method {text!r}: write {name}:{field_name.upper()}")
+    else:
+        raise ValueError(f"unknown speculative method {text!r}; known: {', '.join(SPEC_METHODS)}")
+    SpecConfig(**spec)  # the engine's own checks (k >= 1, num_layers >= 1, ...)
+    return spec
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelSettings = field(default_factory=ModelSettings)

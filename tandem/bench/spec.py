@@ -61,7 +61,7 @@ from tandem.bench.engine import (
     target_result,
 )
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
-from tandem.config import DEFAULT_MODEL, DTYPES, SpecConfig
+from tandem.config import DEFAULT_MODEL, DTYPES, parse_speculative
 from tandem.engine.spec.metrics import SpecStats
 
 GROUPS = {
@@ -101,19 +101,7 @@ class SpecMethod:
 
 def parse_method(text: str, num_speculative_tokens: int) -> SpecMethod:
     """The engine's `speculative` settings for one `--methods` entry; ValueError names a bad one."""
-    name, _, arg = text.strip().partition(":")
-    needs = {"layerskip": "num_layers", "draft": "draft_model", "medusa": "path", "eagle": "path"}
-    spec: dict[str, Any] = {"method": name, "num_speculative_tokens": num_speculative_tokens}
-    if name == "ngram":
-        if arg:
-            raise ValueError(f"method {text!r}: ngram takes no argument")
-    elif name in needs:
-        if not arg:
-            raise ValueError(f"method {text!r}: write {name}:{needs[name].upper()}")
-        spec[needs[name]] = int(arg) if name == "layerskip" else arg
-    else:
-        raise ValueError(f"unknown method {text!r}; known: ngram, {', '.join(needs)}")
-    SpecConfig(**spec)  # the engine's own checks (k >= 1, num_layers >= 1)
+    spec = parse_speculative(text, num_speculative_tokens=num_speculative_tokens)
     return SpecMethod(text.strip(), spec)
 
 

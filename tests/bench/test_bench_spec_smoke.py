@@ -30,7 +30,11 @@ def test_methods_parse_into_engine_settings() -> None:
     assert parse_method("layerskip:8", 5).speculative["num_layers"] == 8
     assert parse_method("draft:smollm2-135m", 5).speculative["draft_model"] == "smollm2-135m"
     assert parse_method("eagle:/heads", 5).model_based
-    bad_methods = {"beam": "unknown method", "medusa": "medusa:PATH", "ngram:3": "no argument"}
+    bad_methods = {
+        "beam": "unknown speculative method",
+        "medusa": "medusa:PATH",
+        "ngram:3": "no argument",
+    }
     for bad, message in bad_methods.items():
         with pytest.raises(ValueError, match=message):
             parse_method(bad, 5)

@@ -277,3 +277,21 @@ def test_cli_generate_rejects_bad_sampling_params(
     result = runner.invoke(app, ["generate", "Hello", "--max-tokens", "0"])
     assert result.exit_code == 2
     assert "max_tokens must be >= 1" in result.output
+
+
+def test_cli_generate_takes_any_proposer_as_method_and_argument(
+    cli: tuple[CliRunner, list[dict[str, Any]]],
+) -> None:
+    runner, calls = cli
+    args = ["generate", "Hello", "--max-tokens", "2", "--spec", "eagle:/heads"]
+    result = runner.invoke(app, [*args, "--no-spec-cost-aware"])
+    assert result.exit_code == 0, result.output
+    assert calls[-1]["speculative"] == {
+        "method": "eagle",
+        "path": "/heads",
+        "num_speculative_tokens": 5,
+        "cost_aware": False,
+    }
+    for spec, message in (("eagle", "eagle:PATH"), ("beam", "unknown"), ("layerskip:x", "N")):
+        result = runner.invoke(app, ["generate", "Hello", "--spec", spec])
+        assert result.exit_code == 2 and "--spec" in result.output and message in result.output

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, parse_speculative
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.engine import EngineCore
 
@@ -133,6 +133,36 @@ def test_drafts_never_pass_max_tokens(tiny_llama_path: Path) -> None:
 def test_bad_config_names_the_field(spec: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         EngineConfig.create("x", speculative=spec)
+
+
+@pytest.mark.parametrize(
+    ("text", "options", "expected"),
+    [
+        ("ngram", {}, {"method": "ngram"}),
+        ("layerskip:8", {}, {"method": "layerskip", "num_layers": 8}),
+        ("draft:smollm2-135m", {}, {"method": "draft", "draft_model": "smollm2-135m"}),
+        ("draft", {"draft_model": "m"}, {"method": "draft", "draft_model": "m"}),
+        ("medusa:/h", {}, {"method": "medusa", "path": "/h"}),
+        ("eagle:/h", {"cost_aware": False}, {"method": "eagle", "path": "/h", "cost_aware": False}),
+    ],
+)
+def test_speculative_from_method_and_argument(text: str, options: dict, expected: dict) -> None:
+    assert parse_speculative(text, **options) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("beam", "unknown speculative method"),
+        ("eagle", "write eagle:PATH"),
+        ("ngram:3", "no argument"),
+        ("layerskip:x", "write layerskip:N"),
+        ("layerskip:0", "num_layers must be >= 1"),
+    ],
+)
+def test_bad_speculative_text_names_the_problem(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_speculative(text)
 
 
 @pytest.mark.slow
