@@ -249,17 +249,18 @@ def plan_layer_copy(
     before the next layer starts."""
     copy = plan_copy(src[0], src_slots, dst[0], dst_slots)
     devices = (src[0].device, dst[0].device)
+    cpu = all(device.type == "cpu" for device in devices)
 
     def layer_by_layer(layers: range, until: float) -> bool:
         for layer in layers:
             if time.monotonic() >= until:
                 return False
             copy(src[layer], dst[layer])
-            wait_for_copy(*devices)
+            if not cpu:
+                wait_for_copy(*devices)
         return True
 
     ext = _native()
-    cpu = all(device.type == "cpu" for device in devices)
     if ext is None or not cpu or src[0].dtype != dst[0].dtype or COPY_THREADS == 1:
         return layer_by_layer
     s = kv_rows(src_slots, src[0].shape[1] * src[0].shape[2])

@@ -106,6 +106,13 @@ class SchedulerConfig:
 
 
 SPEC_METHODS = ("ngram", "draft", "layerskip", "medusa", "eagle")
+# The field each method needs: its argument in `METHOD:ARG` (parse_speculative)
+SPEC_ARGUMENTS = {
+    "draft": "draft_model",
+    "layerskip": "num_layers",
+    "medusa": "path",
+    "eagle": "path",
+}
 
 
 @dataclass(frozen=True)
@@ -143,27 +150,13 @@ class SpecConfig:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
             )
-        needs = {
-            "draft": "draft_model",
-            "layerskip": "num_layers",
-            "medusa": "path",
-            "eagle": "path",
-        }
-        if self.method in needs and getattr(self, needs[self.method]) is None:
-            raise ValueError(f"speculative method {self.method!r} needs {needs[self.method]!r}")
+        needs = SPEC_ARGUMENTS.get(self.method or "")
+        if needs is not None and getattr(self, needs) is None:
+            raise ValueError(f"speculative method {self.method!r} needs {needs!r}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.num_layers is not None and self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-
-
-# The one argument of each method in `METHOD:ARG` (parse_speculative)
-SPEC_ARGUMENTS = {
-    "layerskip": "num_layers",
-    "draft": "draft_model",
-    "medusa": "path",
-    "eagle": "path",
-}
 
 
 def parse_speculative(text: str, **options: Any) -> dict[str, Any]:
@@ -177,9 +170,9 @@ def parse_speculative(text: str, **options: Any) -> dict[str, Any]:
             raise ValueError(f"speculative method {text!r}: ngram takes no argument")
     elif name in SPEC_ARGUMENTS:
         field_name = SPEC_ARGUMENTS[name]
-        if arg and name == "layerskip" and not arg.isdigit():
-            raise ValueError(f"speculative method {text!r}: write layerskip:N, N the layers")
         if arg:
+            if name == "layerskip" and not arg.isdigit():
+                raise ValueError(f"speculative method {text!r}: write layerskip:N, N the layers")
             spec[field_name] = int(arg) if name == "layerskip" else arg
         elif spec.get(field_name) is None:
             raise ValueError(f"speculative method {text!r}: write {name}:{field_name.upper()}")

@@ -93,8 +93,9 @@ def expected_correction(trial: Trial, j: int) -> Tensor:
     """
     p = TARGET[j]
     weights = torch.zeros(VOCAB, dtype=torch.float64)
+    one_hot = torch.eye(VOCAB, dtype=torch.float64)
     for x in range(VOCAB):
-        q = trial.drafted_from[j] if trial.draft_probs is not None else torch.eye(VOCAB)[x]
+        q = trial.drafted_from[j] if trial.draft_probs is not None else one_hot[x]
         if trial.drafted_from[j, x] == 0:
             continue  # never drafted
         reject = 1 - min(1.0, float(p[x] / q[x]))

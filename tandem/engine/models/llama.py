@@ -203,8 +203,13 @@ class LlamaForCausalLM(nn.Module):
                 after_layer(i)
         return self.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the LM head's, or the tied embedding's."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.lm_head_weight
         head = self.quantized_lm_head
         if head is not None and hidden.shape[0] <= head.max_rows:
             return head(hidden, weight)

@@ -55,7 +55,7 @@ class DraftVocab:
     """A model's LM head restricted to `token_ids`; logits of the other tokens are -inf."""
 
     def __init__(self, token_ids: Iterable[int], model: LlamaForCausalLM) -> None:
-        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        weight = model.lm_head_weight
         self.vocab_size = weight.shape[0]
         ids = sorted(set(token_ids))
         if not ids or ids[0] < 0 or ids[-1] >= self.vocab_size:
