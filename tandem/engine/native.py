@@ -1,6 +1,7 @@
 """The compiled CPU helpers (`csrc/`): paged attention (`cpu_attention.py`), the fused layer ops
-(`layer_ops.py`, `models/rope.py`), the int4 / int8 few-row products (`quant/tiles.py`) and the
-KV row copies of the transfer planes (`kv_transfer/layout.py`), one extension.
+(`layer_ops.py`, `models/rope.py`), the few-row products of float32 weights (`models/linear.py`)
+and of int4 / int8 ones (`quant/tiles.py`) and the KV row copies of the transfer planes
+(`kv_transfer/layout.py`), one extension.
 
 It is built on first use with `torch.utils.cpp_extension` (gcc and ninja, about a minute; `make
 install` builds it) into a folder of `~/.cache/torch_extensions` (or `$TORCH_EXTENSIONS_DIR`)
@@ -34,6 +35,7 @@ SOURCES = (
     "copy_rows.cpp",
     "layer_ops.cpp",
     "quant_gemm.cpp",
+    "row_gemm.cpp",
     "bindings.cpp",
 )
 HEADERS = ("native.h", "simd.h")

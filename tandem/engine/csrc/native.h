@@ -39,3 +39,7 @@ void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src);
 bool quant_gemm_supported();
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_mins,
                          int64_t group_size);
+
+// x [rows, in] times float32 weights [out, in] (nn.Linear's layout) -> [rows, out], reading the
+// weights once per 8 rows (row_gemm.cpp).
+torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight);
