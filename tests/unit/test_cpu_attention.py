@@ -93,9 +93,55 @@ def test_bfloat16_dot_products_of_wide_heads(block_size: int) -> None:
 
 @pytest.mark.parametrize("query_len", [1, 5])
 def test_split_context_of_a_lone_request(query_len: int) -> None:
-    """One request: its context is split over the threads and the parts merged."""
+    """One request: its context is split into pieces (256 tokens) and the parts merged."""
     kernel, sdpa = _run([(300, query_len)], torch.float32, torch.float32, 16)
     torch.testing.assert_close(kernel, sdpa, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_a_verified_row_scores_as_a_decoded_one(
+    dtype: torch.dtype, block_size: int, num_threads: int
+) -> None:
+    """A query row verified among drafts (and beside other requests) gets, bit for bit, the output
+    it gets decoded alone: contexts across the split points, any batch, any thread count."""
+    torch.manual_seed(1)
+    num_blocks = 1200 // block_size
+    cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    table = torch.randperm(num_blocks).view(1, -1)
+    scale = HEAD_DIM**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for context in (3, 250, 258, 513, 1000):
+            query_len = min(6, context)
+            q = torch.randn(query_len, NUM_HEADS * HEAD_DIM).to(dtype)
+            other = torch.randn(1, NUM_HEADS * HEAD_DIM).to(dtype)
+            # the verify step: this request's rows after another request's decode
+            tables = torch.cat([table.roll(7, dims=1), table])
+            verified = cpu_attention.paged_attention(
+                torch.cat([other, q]),
+                cache,
+                tables,
+                torch.tensor([900, context]),
+                torch.tensor([0, 1, 1 + query_len]),
+                HEAD_DIM,
+                scale,
+            )[1:]
+            for i in range(query_len):
+                decoded = cpu_attention.paged_attention(
+                    q[i : i + 1],
+                    cache,
+                    table,
+                    torch.tensor([context - query_len + 1 + i]),
+                    torch.tensor([0, 1]),
+                    HEAD_DIM,
+                    scale,
+                )
+                assert torch.equal(decoded[0], verified[i]), (context, i)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(

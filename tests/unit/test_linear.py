@@ -6,36 +6,39 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine import native
-from tandem.engine.models.linear import MAX_FEW_ROWS, Linear, linear
+from tandem.engine.models.linear import ROW_GEMM_ROWS, Linear, linear
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("rows", [*range(1, 19), MAX_FEW_ROWS, MAX_FEW_ROWS + 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [*range(1, 19), 32, 33])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_matches_f_linear(rows: int, with_bias: bool) -> None:
+def test_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 72, generator=g)  # 72 inputs: whole registers and a tail
-    w = torch.randn(99, 72, generator=g)  # 99 outputs: whole blocks and a remainder
-    b = torch.randn(99, generator=g) if with_bias else None
+    # 72 inputs: whole registers and a tail; 99 outputs: whole blocks and a remainder
+    x = torch.randn(rows, 72, generator=g).to(dtype)
+    w = torch.randn(99, 72, generator=g).to(dtype)
+    b = torch.randn(99, generator=g).to(dtype) if with_bias else None
     y = linear(x, w, b)
-    assert y.shape == (rows, 99) and y.is_contiguous()
-    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert y.shape == (rows, 99) and y.dtype == dtype and y.is_contiguous()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(y.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol * 10)
 
 
-def test_row_gemm_rows_do_not_depend_on_each_other() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_gemm_rows_do_not_depend_on_each_other(dtype: torch.dtype) -> None:
     ext = native.extension()
     if ext is None:
         pytest.skip("native CPU extension unavailable")
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 576, generator=g)
-    w = torch.randn(200, 576, generator=g)
+    x = torch.randn(32, 1536, generator=g).to(dtype)  # SmolLM2's down projection
+    w = torch.randn(200, 1536, generator=g).to(dtype)
     whole = ext.row_gemm(x, w)
-    for start, stop in [(0, 3), (5, 13), (13, 14), (7, 32)]:
+    for start, stop in [(0, 1), (0, 3), (5, 13), (13, 14), (7, 32)]:
         assert torch.equal(ext.row_gemm(x[start:stop], w), whole[start:stop])
-    # strided rows are read as rows
-    assert torch.equal(
-        ext.row_gemm(x[:, :100], w[:, :100].contiguous())[4:9],
-        ext.row_gemm(x[4:9, :100].contiguous(), w[:, :100].contiguous()),
-    )
+    for rows in ROW_GEMM_ROWS[dtype]:  # through `linear`, every row count it hands over
+        assert torch.equal(linear(x[:rows], w), whole[:rows])
 
 
 def test_row_gemm_refuses_what_it_cannot_multiply() -> None:
@@ -44,13 +47,15 @@ def test_row_gemm_refuses_what_it_cannot_multiply() -> None:
         pytest.skip("native CPU extension unavailable")
     with pytest.raises(RuntimeError, match="inputs"):
         ext.row_gemm(torch.randn(4, 8), torch.randn(5, 9))
-    with pytest.raises(RuntimeError, match="weight"):
+    with pytest.raises(RuntimeError, match="contiguous"):
         ext.row_gemm(torch.randn(4, 8), torch.randn(8, 5).t())
+    with pytest.raises(RuntimeError, match="dtype"):
+        ext.row_gemm(torch.randn(4, 8), torch.randn(5, 8).bfloat16())
 
 
 def test_gradients_and_other_dtypes_take_f_linear() -> None:
-    layer = Linear(8, 4, dtype=torch.bfloat16)
-    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    layer = Linear(8, 4, dtype=torch.float16)
+    x = torch.randn(2, 8, dtype=torch.float16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     w = torch.randn(4, 8, requires_grad=True)
     linear(torch.randn(5, 8), w).sum().backward()

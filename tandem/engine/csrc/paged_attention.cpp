@@ -396,9 +396,16 @@ class Rows {
   torch::ScalarType dtype_;
 };
 
-// A task is a run of one request's blocks. A request gets several (split-K, as flash-decoding)
-// when there are fewer requests than twice the threads, so a batch of one uses every core; its
-// partial results merge at the end. The split depends on the batch size and context length only.
+// A task is a run of one request's blocks: every kSplitTokens of context (split-K, as
+// flash-decoding) start a new one, so a batch of one long request still uses every core, and the
+// partial results merge at the end, in order. The runs are fixed pieces of the context, whatever
+// the batch, the query length or the context's end: a row's keys fall into the same tasks, are
+// summed in the same order and merged the same way whether the row is decoded alone or verified
+// among drafts, so both give it the same output bit for bit. (The split used to follow the
+// batch size and the context's blocks, and rounding then differed between a verify step and the
+// decode steps of the same tokens: in bfloat16, enough to change greedy tokens.)
+constexpr int64_t kSplitTokens = 256;
+
 template <typename T, typename Slot>
 void attend(
     const Rows& q,               // [num_tokens, num_heads * head_dim]
@@ -411,8 +418,7 @@ void attend(
     int64_t batch, int64_t max_blocks, int64_t block_size, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t slot_dim, float scale) {
   const int64_t row_stride = num_heads * head_dim;  // of q and out: one query token
-  const int64_t want = 2 * at::get_num_threads();
-  const int64_t per_request = std::max<int64_t>(1, (want + batch - 1) / batch);
+  const int64_t split_blocks = std::max<int64_t>(1, kSplitTokens / block_size);
   struct Task {
     int64_t b, first_block, end_block, state;  // state: offset of its rows in m / l
   };
@@ -424,9 +430,8 @@ void attend(
     const int64_t qlen = query_starts[b + 1] - query_starts[b];
     const int64_t blocks = (context_lens[b] + block_size - 1) / block_size;
     if (qlen <= 0 || blocks <= 0) continue;
-    const int64_t splits = std::min(blocks, per_request);
-    for (int64_t k = 0; k < splits; ++k) {
-      tasks.push_back({b, blocks * k / splits, blocks * (k + 1) / splits, num_states});
+    for (int64_t first = 0; first < blocks; first += split_blocks) {
+      tasks.push_back({b, first, std::min(first + split_blocks, blocks), num_states});
       num_states += qlen * num_heads;
     }
   }

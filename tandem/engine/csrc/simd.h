@@ -24,6 +24,14 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
+// kWidth bfloat16 (their bits) as float32 lanes: a bfloat16 is the top half of a float32.
+inline Vec load(const uint16_t* p) {
+  typedef uint16_t Bits __attribute__((vector_size(kWidth * sizeof(uint16_t))));
+  Bits bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return (Vec)(__builtin_convertvector(bits, IVec) << 16);
+}
+
 // The sum of the lanes, folded in halves (a tree, not a chain of 15 dependent adds).
 inline float sum(Vec v) {
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: clang, GCC 12 on

@@ -1,20 +1,27 @@
 """Linear layers with faster routes for the few-row products of decoding on CPU.
 
-With float32 on CPU, a decode step's products (1-32 rows: small-batch decode, speculative
-verification of a few drafts) are bound by reading the weights, and `F.linear` is far from that
-bound. Two routes, by rows:
+A decode step's products (1-32 rows: small-batch decode, speculative verification of a few
+drafts) are bound by reading the weights, and `F.linear` is far from that bound on CPU. The native
+`row_gemm` (csrc/row_gemm.cpp) reads each weight once per 8 rows, and a row's result from it does
+not depend on the other rows: a token verified among drafts gets the logits a decode step gives
+it. By dtype (SmolLM2, 2 threads, measured in one process, interleaved):
 
-- 1-2 rows: `weight @ x.T`, a single row padded to two (torch's matrix-vector route is the slow
-  one): 1.5-5x `F.linear` on every SmolLM2 projection and its LM head, near the machine's read
-  bandwidth (2 threads, torch 2.13).
-- 3-32 rows: the native `row_gemm` (csrc/row_gemm.cpp), which reads each weight once per 8 rows.
-  Per call on SmolLM2 in the engine, against `weight @ x.T`: 228 us against 287 at 3 rows, 304
-  against 481 at 8, 453 against 741 at 16, 783 against 989 at 32; decode throughput at batch
-  8 / 16 / 32 went from 92 / 115 / 147 to 127 / 153 / 167 tok/s (same tokens). At 1-2 rows it
-  was 2-5% slower, so those keep the route above.
+- float32, 1-2 rows: `weight @ x.T`, a single row padded to two (torch's matrix-vector route is
+  the slow one): 1.5-5x `F.linear`, near the machine's read bandwidth. `row_gemm` there made
+  batch-1 decode slower (TPOT 26.2 against 22.7 ms), so float32 verification and decoding agree
+  to rounding (~1e-6), not bit for bit.
+- float32, 3-32 rows: `row_gemm`. Per call in the engine, against `weight @ x.T`: 228 us against
+  287 at 3 rows, 304 against 481 at 8, 453 against 741 at 16, 783 against 989 at 32; decode at
+  batch 8 / 16 / 32 went from 92 / 115 / 147 to 127 / 153 / 167 tok/s (same tokens).
+- bfloat16, 1-16 rows: `row_gemm` (AVX-512 BF16 dot products where the CPU has them). Batch-1
+  decode: TPOT 17.0 ms against 26.3 with `F.linear` (44.8 against 31.7 tok/s); a step's products
+  alone (30 layers and the LM head, cold weights) 14 ms at 1 row against 21, 20 against 23 at 8,
+  level at 16, 52 against 39 at 32, so from 17 rows on `F.linear` runs. torch's bfloat16 GEMM is not row-invariant (on SmolLM2's down projection the first of several
+  rows differs from the row alone), which made greedy speculative decoding in bfloat16 emit other
+  tokens than plain decoding.
 
-From 33 rows on (prefill chunks), for bfloat16, for tensors that need gradients, without the
-native extension and on CUDA, `F.linear` runs.
+For other dtypes, tensors that need gradients, without the native extension and on CUDA,
+`F.linear` runs.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ from torch import nn
 
 from tandem.engine import native
 
-MATVEC_MAX_ROWS = 2  # up to here `weight @ x.T`
-MAX_FEW_ROWS = 32  # up to here `row_gemm`
+# Rows that `row_gemm` multiplies, by dtype: in float32 1-2 rows keep `weight @ x.T`.
+ROW_GEMM_ROWS = {torch.float32: range(3, 33), torch.bfloat16: range(1, 17)}
 
 # A linear layer's product bound to its weights: [rows, in] -> [rows, out] (`row_kernel`).
 RowKernel = Callable[[torch.Tensor], torch.Tensor]
@@ -37,17 +44,19 @@ RowKernel = Callable[[torch.Tensor], torch.Tensor]
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x of shape [rows, in_features]."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not 1 <= rows <= MAX_FEW_ROWS:
+    if x.device.type != "cpu" or rows == 0:
         return F.linear(x, weight, bias)
-    if rows <= MATVEC_MAX_ROWS:
+    if rows in ROW_GEMM_ROWS.get(x.dtype, ()):
+        ext = native.extension()
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if ext is None or needs_grad or not weight.is_contiguous() or weight.dtype != x.dtype:
+            return F.linear(x, weight, bias)
+        y = ext.row_gemm(x, weight)
+    elif x.dtype == torch.float32 and rows <= 2:
         padded = x.expand(2, -1).contiguous() if rows == 1 else x  # [2, in]
         y = torch.mm(weight, padded.t()).t()[:rows].contiguous()
     else:
-        ext = native.extension()
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if ext is None or needs_grad or not weight.is_contiguous():
-            return F.linear(x, weight, bias)
-        y = ext.row_gemm(x, weight)
+        return F.linear(x, weight, bias)
     return y if bias is None else y + bias
 
 
