@@ -49,8 +49,8 @@ inline float widen(uint16_t bits) {
 }
 
 #ifdef TANDEM_BF16_DOTS
-// `block` (below) for bfloat16 with `vdpbf16ps`: lane i of an accumulator gathers the products of inputs
-// 2i and 2i + 1 of every 32.
+// `block` (below) for bfloat16 with `vdpbf16ps`: lane i of an accumulator gathers the products
+// of inputs 2i and 2i + 1 of every 32.
 template <int MT, int NT>
 void block_dots(const uint16_t* x, int64_t in, const uint16_t* weight, float* y, int64_t out,
                 int64_t n0) {
@@ -160,7 +160,8 @@ torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight) {
               "x: a 2-D CPU tensor of the weight's dtype");
   TORCH_CHECK(x.size(1) == weight.size(1), "x has ", x.size(1), " inputs, weight ", weight.size(1));
   const torch::Tensor input = x.contiguous();
-  torch::Tensor y = torch::empty({input.size(0), weight.size(0)}, input.options().dtype(torch::kFloat32));
+  torch::Tensor y =
+      torch::empty({input.size(0), weight.size(0)}, input.options().dtype(torch::kFloat32));
   if (dtype == torch::kFloat32) {
     row_gemm_of<float>(input, weight, y);
     return y;
