@@ -16,9 +16,10 @@ it. By dtype (SmolLM2, 2 threads, measured in one process, interleaved):
 - bfloat16, 1-16 rows: `row_gemm` (AVX-512 BF16 dot products where the CPU has them). Batch-1
   decode: TPOT 17.0 ms against 26.3 with `F.linear` (44.8 against 31.7 tok/s); a step's products
   alone (30 layers and the LM head, cold weights) 14 ms at 1 row against 21, 20 against 23 at 8,
-  level at 16, 52 against 39 at 32, so from 17 rows on `F.linear` runs. torch's bfloat16 GEMM is not row-invariant (on SmolLM2's down projection the first of several
-  rows differs from the row alone), which made greedy speculative decoding in bfloat16 emit other
-  tokens than plain decoding.
+  level at 16, 52 against 39 at 32, so from 17 rows on `F.linear` runs. torch's bfloat16 GEMM
+  is not row-invariant (on SmolLM2's down projection the first of several rows differs from the
+  row alone), which made greedy speculative decoding in bfloat16 emit other tokens than plain
+  decoding.
 
 For other dtypes, tensors that need gradients, without the native extension and on CUDA,
 `F.linear` runs.
