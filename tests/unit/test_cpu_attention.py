@@ -101,23 +101,24 @@ def test_split_context_of_a_lone_request(query_len: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 64])  # 64: bfloat16 takes its dot-product path
 def test_a_verified_row_scores_as_a_decoded_one(
-    dtype: torch.dtype, block_size: int, num_threads: int
+    dtype: torch.dtype, block_size: int, num_threads: int, head_dim: int
 ) -> None:
     """A query row verified among drafts (and beside other requests) gets, bit for bit, the output
     it gets decoded alone: contexts across the split points, any batch, any thread count."""
     torch.manual_seed(1)
     num_blocks = 1200 // block_size
-    cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim).to(dtype)
     table = torch.randperm(num_blocks).view(1, -1)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     before = torch.get_num_threads()
     torch.set_num_threads(num_threads)
     try:
         for context in (3, 250, 258, 513, 1000):
             query_len = min(6, context)
-            q = torch.randn(query_len, NUM_HEADS * HEAD_DIM).to(dtype)
-            other = torch.randn(1, NUM_HEADS * HEAD_DIM).to(dtype)
+            q = torch.randn(query_len, NUM_HEADS * head_dim).to(dtype)
+            other = torch.randn(1, NUM_HEADS * head_dim).to(dtype)
             # the verify step: this request's rows after another request's decode
             tables = torch.cat([table.roll(7, dims=1), table])
             verified = cpu_attention.paged_attention(
@@ -126,7 +127,7 @@ def test_a_verified_row_scores_as_a_decoded_one(
                 tables,
                 torch.tensor([900, context]),
                 torch.tensor([0, 1, 1 + query_len]),
-                HEAD_DIM,
+                head_dim,
                 scale,
             )[1:]
             for i in range(query_len):
@@ -136,7 +137,7 @@ def test_a_verified_row_scores_as_a_decoded_one(
                     table,
                     torch.tensor([context - query_len + 1 + i]),
                     torch.tensor([0, 1]),
-                    HEAD_DIM,
+                    head_dim,
                     scale,
                 )
                 assert torch.equal(decoded[0], verified[i]), (context, i)

@@ -1,6 +1,8 @@
 """The few-row routes of `linear` (`weight @ x.T`, the native `row_gemm`) compute what `F.linear`
 computes, and a row's result from `row_gemm` does not depend on the other rows."""
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,14 +28,20 @@ def test_linear_matches_f_linear(dtype: torch.dtype, rows: int, with_bias: bool)
     torch.testing.assert_close(y.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol * 10)
 
 
+def _kernel() -> object:
+    ext = native.extension()
+    if ext is None or not ext.row_gemm_supported():
+        pytest.skip("row_gemm is not built here (no native extension, or no AVX-512)")
+    return ext
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_gemm_rows_do_not_depend_on_each_other(dtype: torch.dtype) -> None:
-    ext = native.extension()
-    if ext is None:
-        pytest.skip("native CPU extension unavailable")
+    ext: Any = _kernel()
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 1536, generator=g).to(dtype)  # SmolLM2's down projection
-    w = torch.randn(200, 1536, generator=g).to(dtype)
+    # SmolLM2's down projection's 1536 inputs, plus a tail; an output count no block width divides
+    x = torch.randn(32, 1537, generator=g).to(dtype)
+    w = torch.randn(201, 1537, generator=g).to(dtype)
     whole = ext.row_gemm(x, w)
     for start, stop in [(0, 1), (0, 3), (5, 13), (13, 14), (7, 32)]:
         assert torch.equal(ext.row_gemm(x[start:stop], w), whole[start:stop])
@@ -41,10 +49,18 @@ def test_row_gemm_rows_do_not_depend_on_each_other(dtype: torch.dtype) -> None:
         assert torch.equal(linear(x[:rows], w), whole[:rows])
 
 
+def test_bias_is_added_before_the_one_rounding() -> None:
+    _kernel()
+    g = torch.Generator().manual_seed(2)
+    x, w, b = (torch.randn(*shape, generator=g).bfloat16() for shape in [(5, 64), (40, 64), (40,)])
+    exact = (x.double() @ w.double().t() + b.double()).bfloat16()
+    assert (linear(x, w, b).float() - exact.float()).abs().max() <= exact.float().abs().max() / 128
+    with pytest.raises(RuntimeError):  # mixed dtypes go to F.linear, which refuses them
+        linear(x, w, b.float())
+
+
 def test_row_gemm_refuses_what_it_cannot_multiply() -> None:
-    ext = native.extension()
-    if ext is None:
-        pytest.skip("native CPU extension unavailable")
+    ext: Any = _kernel()
     with pytest.raises(RuntimeError, match="inputs"):
         ext.row_gemm(torch.randn(4, 8), torch.randn(5, 9))
     with pytest.raises(RuntimeError, match="contiguous"):
@@ -53,10 +69,12 @@ def test_row_gemm_refuses_what_it_cannot_multiply() -> None:
         ext.row_gemm(torch.randn(4, 8), torch.randn(5, 8).bfloat16())
 
 
-def test_gradients_and_other_dtypes_take_f_linear() -> None:
+def test_gradients_other_dtypes_and_vectors_take_f_linear() -> None:
     layer = Linear(8, 4, dtype=torch.float16)
     x = torch.randn(2, 8, dtype=torch.float16)
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
     w = torch.randn(4, 8, requires_grad=True)
     linear(torch.randn(5, 8), w).sum().backward()
     assert w.grad is not None and w.grad.shape == (4, 8)
+    x, v = torch.randn(5, 8), torch.randn(8)
+    assert torch.equal(linear(x, v), F.linear(x, v))

@@ -20,6 +20,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm_supported", &quant_gemm_supported,
         "whether quant_gemm was built (a CPU with AVX-512 BF16)");
   m.def("quant_gemm", &quant_gemm, "int4 / int8 weight tiles times bfloat16 rows");
-  m.def("row_gemm", &row_gemm, "x @ weight.T for a few float32 rows, weights read once per 8 rows");
+  m.def("row_gemm_supported", &row_gemm_supported,
+        "whether row_gemm was built for the CPU it was measured on (AVX-512)");
+  m.def("row_gemm", &row_gemm,
+        "x @ weight.T + bias for a few float32 / bfloat16 rows, weights read once per 8 rows",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("scatter_rows", &scatter_rows, "dst[index[i]] = src[i] over whole rows");
 }

@@ -40,6 +40,8 @@ bool quant_gemm_supported();
 torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_mins,
                          int64_t group_size);
 
-// x [rows, in] times float32 weights [out, in] (nn.Linear's layout) -> [rows, out], reading the
-// weights once per 8 rows (row_gemm.cpp).
-torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight);
+// x [rows, in] times weights [out, in] (nn.Linear's layout), plus bias, -> [rows, out], float32 or
+// bfloat16 throughout, reading the weights once per 8 rows (row_gemm.cpp); measured and routed
+// to only where row_gemm_supported() (AVX-512).
+bool row_gemm_supported();
+torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -101,7 +102,9 @@ void block(const T* x, int64_t in, const T* weight, float* y, int64_t out, int64
     simd::Vec xv[MT];
     for (int m = 0; m < MT; ++m) {
       xv[m] = simd::load(x + m * in + k);
-      asm("" : "+v"(xv[m]));  // keep the inputs in registers: not reloaded for every weight row
+#ifdef __AVX512F__  // a Vec is one register: keep the inputs there, not reloaded per weight row
+      asm("" : "+v"(xv[m]));
+#endif
     }
     for (int j = 0; j < NT; ++j) {
       __builtin_prefetch(w[j] + k + kPrefetch);
@@ -150,7 +153,15 @@ void row_gemm_of(const torch::Tensor& x, const torch::Tensor& weight, torch::Ten
 
 }  // namespace
 
-torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight) {
+bool row_gemm_supported() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
               "weight: float32 or bfloat16, got ", dtype);
@@ -159,13 +170,17 @@ torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.scalar_type() == dtype,
               "x: a 2-D CPU tensor of the weight's dtype");
   TORCH_CHECK(x.size(1) == weight.size(1), "x has ", x.size(1), " inputs, weight ", weight.size(1));
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
+                        bias->scalar_type() == dtype && bias->device().is_cpu()),
+              "bias: one value per output, of the weight's dtype");
   const torch::Tensor input = x.contiguous();
   torch::Tensor y =
       torch::empty({input.size(0), weight.size(0)}, input.options().dtype(torch::kFloat32));
   if (dtype == torch::kFloat32) {
     row_gemm_of<float>(input, weight, y);
-    return y;
+  } else {
+    row_gemm_of<uint16_t>(input, weight, y);
   }
-  row_gemm_of<uint16_t>(input, weight, y);
-  return y.to(dtype);  // each result rounded once
+  if (bias) y.add_(bias->to(torch::kFloat32));  // in float32, before the one rounding
+  return dtype == torch::kFloat32 ? y : y.to(dtype);
 }

@@ -21,12 +21,14 @@ it. By dtype (SmolLM2, 2 threads, measured in one process, interleaved):
   row alone), which made greedy speculative decoding in bfloat16 emit other tokens than plain
   decoding.
 
-For other dtypes, tensors that need gradients, without the native extension and on CUDA,
-`F.linear` runs.
+For other dtypes, tensors that need gradients, mixed dtypes, on CUDA, and where `row_gemm` was not
+built for AVX-512 (it was measured there only; float32 then takes `weight @ x.T` up to 8 rows),
+`F.linear` runs. The bias is added in float32 before the one rounding to bfloat16.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -37,28 +39,42 @@ from tandem.engine import native
 
 # Rows that `row_gemm` multiplies, by dtype: in float32 1-2 rows keep `weight @ x.T`.
 ROW_GEMM_ROWS = {torch.float32: range(3, 33), torch.bfloat16: range(1, 17)}
+MATMUL_MAX_ROWS = 8  # float32 rows that take `weight @ x.T` where `row_gemm` does not run
 
 # A linear layer's product bound to its weights: [rows, in] -> [rows, out] (`row_kernel`).
 RowKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
+@functools.cache
+def _row_gemm() -> Callable[..., torch.Tensor] | None:
+    """The native kernel where it was built for a CPU like the one it was measured on."""
+    ext = native.extension()
+    return ext.row_gemm if ext is not None and ext.row_gemm_supported() else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x of shape [rows, in_features]."""
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or rows == 0:
+    if x.device.type != "cpu" or rows == 0 or weight.dim() != 2:
         return F.linear(x, weight, bias)
-    if rows in ROW_GEMM_ROWS.get(x.dtype, ()):
-        ext = native.extension()
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-        if ext is None or needs_grad or not weight.is_contiguous() or weight.dtype != x.dtype:
-            return F.linear(x, weight, bias)
-        y = ext.row_gemm(x, weight)
-    elif x.dtype == torch.float32 and rows <= 2:
-        padded = x.expand(2, -1).contiguous() if rows == 1 else x  # [2, in]
+    kernel = _row_gemm() if rows in ROW_GEMM_ROWS.get(x.dtype, ()) else None
+    if kernel is not None and _native_operands(x, weight, bias):
+        return kernel(x, weight, bias)
+    if x.dtype == torch.float32 and rows <= MATMUL_MAX_ROWS:
+        padded = x.expand(2, -1).contiguous() if rows == 1 else x  # [max(rows, 2), in]
         y = torch.mm(weight, padded.t()).t()[:rows].contiguous()
-    else:
-        return F.linear(x, weight, bias)
-    return y if bias is None else y + bias
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def _native_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `row_gemm` takes these: no autograd, a contiguous weight, one dtype throughout."""
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return False
+    same = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
+    return same and weight.is_contiguous()
 
 
 class Linear(nn.Linear):
