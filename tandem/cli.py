@@ -195,6 +195,7 @@ def serve(
     grpc_port: int = 50051,
     spec: SpecOpt = None,
     draft_model: DraftModelOpt = None,
+    spec_cost_aware: SpecCostOpt = True,
     dtype: DtypeOpt = "float32",
     autoscale: Annotated[bool, typer.Option(help="SLO autoscaler (Ray only).")] = False,
     dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
@@ -223,7 +224,8 @@ def serve(
 
     cluster: RayCluster | LocalCluster
     if ray:
-        decode_engine = {"speculative": _speculative(spec, draft_model)} if spec else {}
+        speculative = _speculative(spec, draft_model, cost_aware=spec_cost_aware)
+        decode_engine = {"speculative": speculative} if spec else {}
         pools = {
             role: PoolSpec(
                 cpus_per_worker,
@@ -253,6 +255,7 @@ def serve(
         worker_args += ["--quant-group-size", str(quant_group_size)]
         worker_args += ["--spec", spec] if spec else []
         worker_args += ["--draft-model", draft_model] if draft_model else []
+        worker_args += [] if spec_cost_aware else ["--no-spec-cost-aware"]
         if num_threads is not None:
             worker_args += ["--num-threads", str(num_threads)]
         worker_args += ["--engine", engine]

@@ -295,3 +295,40 @@ def test_cli_generate_takes_any_proposer_as_method_and_argument(
     for spec, message in (("eagle", "eagle:PATH"), ("beam", "unknown"), ("layerskip:x", "N")):
         result = runner.invoke(app, ["generate", "Hello", "--spec", spec])
         assert result.exit_code == 2 and "--spec" in result.output and message in result.output
+
+
+class _Launched(Exception):
+    """Raised by the recording cluster doubles below in place of starting anything."""
+
+
+def test_cli_serve_passes_the_speculative_switches_to_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tandem serve --spec ... --no-spec-cost-aware` reaches the decode workers on both launch
+    paths: Ray pools get the engine's dict, local processes get the worker's flags."""
+    import tandem.cluster.ray_cluster
+    import tandem.launcher
+
+    launched: dict[str, Any] = {}
+
+    def recorder(kind: str) -> type:
+        class Recording:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                launched[kind] = kwargs
+
+            def start(self) -> None:
+                raise _Launched
+
+        return Recording
+
+    monkeypatch.setattr(tandem.cluster.ray_cluster, "RayCluster", recorder("ray"))
+    monkeypatch.setattr(tandem.launcher, "LocalCluster", recorder("local"))
+    runner = CliRunner()
+    args = ["serve", "--spec", "ngram", "--no-spec-cost-aware", "--no-demo"]
+    assert isinstance(runner.invoke(app, args).exception, _Launched)
+    assert launched["ray"]["decode_engine"]["speculative"]["cost_aware"] is False
+    assert isinstance(runner.invoke(app, [*args, "--no-ray"]).exception, _Launched)
+    flags = launched["local"]["worker_args"]
+    assert flags[flags.index("--spec") + 1] == "ngram" and "--no-spec-cost-aware" in flags
+    runner.invoke(app, ["serve", "--spec", "ngram", "--no-ray", "--no-demo"])
+    assert "--no-spec-cost-aware" not in launched["local"]["worker_args"]
