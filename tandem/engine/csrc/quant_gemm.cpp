@@ -22,6 +22,7 @@
 // `quant_gemm_supported()` says so, and the layers keep torch's kernels otherwise.
 
 #include "native.h"
+#include "simd.h"
 
 #include <torch/extension.h>
 
@@ -110,12 +111,7 @@ void group_sums(const uint16_t* row, int64_t in, int64_t group_size, float* sums
   for (int64_t g = 0; g < in / group_size; ++g) {
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) {
-      const uint32_t wide = static_cast<uint32_t>(row[k]) << 16;
-      float v;
-      std::memcpy(&v, &wide, sizeof v);
-      s += v;
-    }
+    for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += simd::widen(row[k]);
     sums[g] = s;
   }
 }

@@ -42,11 +42,19 @@ constexpr int64_t kMaxRows = 8;     // rows a block multiplies at once; more go 
 constexpr int64_t kPrefetch = 256;  // elements ahead of the current input on each weight row
 
 inline float widen(float v) { return v; }
-inline float widen(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float v;
-  std::memcpy(&v, &wide, sizeof v);
-  return v;
+using simd::widen;
+
+// y[m, n0 + j] for m < MT, j < NT from the accumulated lanes: each folded, plus the products of
+// the inputs from k on that did not fill a register.
+template <int MT, int NT, typename T>
+void finish(const simd::Vec (&lanes)[NT][MT], const T* const* w, const T* x, int64_t k,
+            int64_t in, float* y, int64_t out, int64_t n0) {
+  for (int j = 0; j < NT; ++j)
+    for (int m = 0; m < MT; ++m) {
+      float s = simd::sum(lanes[j][m]);
+      for (int64_t e = k; e < in; ++e) s += widen(w[j][e]) * widen(x[m * in + e]);
+      y[m * out + n0 + j] = s;
+    }
 }
 
 #ifdef TANDEM_BF16_DOTS
@@ -74,14 +82,9 @@ void block_dots(const uint16_t* x, int64_t in, const uint16_t* weight, float* y,
       for (int m = 0; m < MT; ++m) acc[j][m] = _mm512_dpbf16_ps(acc[j][m], wv, (__m512bh)xv[m]);
     }
   }
-  for (int j = 0; j < NT; ++j)
-    for (int m = 0; m < MT; ++m) {
-      simd::Vec lanes;
-      std::memcpy(&lanes, &acc[j][m], sizeof lanes);
-      float s = simd::sum(lanes);
-      for (int64_t e = k; e < in; ++e) s += widen(w[j][e]) * widen(x[m * in + e]);
-      y[m * out + n0 + j] = s;
-    }
+  simd::Vec lanes[NT][MT];
+  std::memcpy(lanes, acc, sizeof lanes);
+  finish<MT, NT>(lanes, w, x, k, in, y, out, n0);
 }
 #endif
 
@@ -112,14 +115,8 @@ void block(const T* x, int64_t in, const T* weight, float* y, int64_t out, int64
       for (int m = 0; m < MT; ++m) acc[j][m] += wv * xv[m];
     }
   }
-  for (int j = 0; j < NT; ++j)
-    for (int m = 0; m < MT; ++m) {
-      float s = simd::sum(acc[j][m]);
-      for (int64_t e = k; e < in; ++e) s += widen(w[j][e]) * widen(x[m * in + e]);
-      y[m * out + n0 + j] = s;
-    }
+  finish<MT, NT>(acc, w, x, k, in, y, out, n0);
 }
-
 
 // All output channels for MT rows, blocks of NT channels spread over the threads.
 template <int MT, typename T>

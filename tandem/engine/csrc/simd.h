@@ -24,7 +24,15 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof v); }
 
-// kWidth bfloat16 (their bits) as float32 lanes: a bfloat16 is the top half of a float32.
+// A bfloat16 (its bits) as a float32: a bfloat16 is the top half of a float32.
+inline float widen(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+// kWidth bfloat16 (their bits) as float32 lanes.
 inline Vec load(const uint16_t* p) {
   typedef uint16_t Bits __attribute__((vector_size(kWidth * sizeof(uint16_t))));
   Bits bits;

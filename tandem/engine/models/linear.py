@@ -58,7 +58,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if x.device.type != "cpu" or rows == 0 or weight.dim() != 2:
         return F.linear(x, weight, bias)
     kernel = _row_gemm() if rows in ROW_GEMM_ROWS.get(x.dtype, ()) else None
-    if kernel is not None and _native_operands(x, weight, bias):
+    if (
+        kernel is not None
+        and not _needs_grad(x, weight, bias)
+        and _native_weights(x.dtype, weight, bias)
+    ):
         return kernel(x, weight, bias)
     if x.dtype == torch.float32 and rows <= MATMUL_MAX_ROWS:
         padded = x.expand(2, -1).contiguous() if rows == 1 else x  # [max(rows, 2), in]
@@ -67,14 +71,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _native_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `row_gemm` takes these: no autograd, a contiguous weight, one dtype throughout."""
-    if torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return False
-    same = weight.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)
-    return same and weight.is_contiguous()
+def _native_weights(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `row_gemm` takes inputs of `dtype` with these: a contiguous weight, one dtype."""
+    return weight.is_contiguous() and all(t.dtype == dtype for t in (weight, bias) if t is not None)
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class Linear(nn.Linear):
@@ -86,4 +89,14 @@ class Linear(nn.Linear):
         the most rows it holds for (any); every linear layer of the decoder has this method
         (`models/decode_plan.py` calls it once, not per step)."""
         weight, bias = self.weight, self.bias
-        return (lambda x: linear(x, weight, bias)), 1 << 62
+        kernel = _row_gemm()  # the plan's steps: inputs of `dtype`, no autograd
+        native = kernel is not None and _native_weights(dtype, weight, bias)
+        native_rows = ROW_GEMM_ROWS.get(dtype, range(0)) if native else range(0)
+
+        def product(x: torch.Tensor) -> torch.Tensor:  # the route asked once, not every step
+            if x.shape[0] in native_rows:
+                assert kernel is not None
+                return kernel(x, weight, bias)
+            return linear(x, weight, bias)
+
+        return product, 1 << 62
