@@ -28,6 +28,7 @@ import grpc
 import torch
 
 from kv_transfer.layout import slot_mapping
+from kv_transfer.local_control import LocalControlServer, Reply
 from kv_transfer.pairs import PairHost
 from kv_transfer.shm import SharedCache
 from kv_transfer.sinks import GrpcSink, LayerSink, PairSink, ShmSink
@@ -44,8 +45,6 @@ from tandem.engine.sampler import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-_Reply = pb.PushReply | tuple[grpc.StatusCode, str]  # a reply, or the status to end with
 
 SHM_GRACE_S = 0.5  # a failed shared-memory transfer keeps its blocks this long (sender mid-copy)
 
@@ -82,7 +81,7 @@ class _Reservation:
         self.cancelled = False
         self.stream_open = False
         self.reader_done = threading.Event()
-        self.replies: queue.Queue[_Reply] = queue.Queue()
+        self.replies: queue.Queue[Reply] = queue.Queue()
         self.release_at = 0.0
         self.arrival = Arrival(ticket.request_key, TransferState.FAILED, None)
 
@@ -114,6 +113,7 @@ class KVReceiver:
         enable_pairs: bool = True,
         max_pairs: int = 64,
         max_streams: int = 128,
+        local_control: bool = True,
     ) -> None:
         self.kv_caches = kv_caches
         self.layout = KVLayout.of(kv_caches)
@@ -130,6 +130,12 @@ class KVReceiver:
         self._server.add_generic_rpc_handlers((_service(self),))
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         self._server.start()
+        # Same-host senders (the shm plane) run the Push protocol over a Unix socket instead.
+        self._local = (
+            LocalControlServer(self.serve, max_streams)
+            if local_control and shm is not None
+            else None
+        )
 
     @property
     def endpoint(self) -> str:
@@ -154,6 +160,7 @@ class KVReceiver:
             shared_cache=self.shm.locator if self.shm is not None else "",
             pair_store=self.pairs.address if self.pairs is not None else "",
             timeout_s=timeout_s,
+            local_control=self._local.address if self._local is not None else "",
         )
         device = self.kv_caches[0].device
         slots = slot_mapping(block_ids, self.layout.block_size, num_tokens, device)
@@ -202,6 +209,8 @@ class KVReceiver:
         return len(self._reservations)
 
     def close(self, grace_s: float = 1.0) -> None:
+        if self._local is not None:
+            self._local.close()
         self._server.stop(grace_s).wait()
 
     # -- the Push stream ---------------------------------------------------------------------
@@ -248,40 +257,50 @@ class KVReceiver:
     def push(
         self, requests: Iterator[bytes], context: grpc.ServicerContext
     ) -> Iterator[pb.PushReply]:
-        """The Push RPC: its requests are serialized KVChunks (`wire.parse_chunk`)."""
+        """The Push RPC: `serve` on a gRPC stream."""
+        for item in self.serve(requests):
+            if isinstance(item, tuple):
+                context.abort(*item)  # raises
+            else:
+                yield item
+
+    def serve(self, requests: Iterator[bytes]) -> Iterator[Reply]:
+        """One Push stream, on gRPC or the host-local socket: its requests are serialized
+        KVChunks (`wire.parse_chunk`); yields the replies, ending with DONE or a status tuple."""
         message = next(requests, None)
         if message is None:
             return
         try:
             first, _ = parse_chunk(message)
         except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            yield grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            return
         if first.WhichOneof("part") != "header":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a header")
+            yield grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a header"
+            return
         header = first.header
         try:
             res, layout = self._claim(header)
         except _Reject as e:
-            context.abort(e.code, e.message)
-        reader = threading.Thread(
+            yield e.code, e.message
+            return
+        # ACCEPTED first: the sender gets on while the reader's thread starts (its messages wait)
+        yield pb.PushReply(kind=pb.PushReply.ACCEPTED, remaining_s=res.status.remaining())
+        threading.Thread(
             target=self._read,
             args=(res, header, layout, requests),
             name=f"kv-read-{header.request_key}",
             daemon=True,
-        )
-        reader.start()
-        yield pb.PushReply(kind=pb.PushReply.ACCEPTED, remaining_s=res.status.remaining())
+        ).start()
         while True:
             try:
                 item = res.replies.get(timeout=max(res.status.remaining(), 0.0))
             except queue.Empty:
                 res.fail(FailureCause.TIMEOUT, "the transfer passed its deadline")
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the transfer passed its deadline")
-            if isinstance(item, tuple):
-                context.abort(*item)
+                yield grpc.StatusCode.DEADLINE_EXCEEDED, "the transfer passed its deadline"
                 return
             yield item
-            if item.kind == pb.PushReply.DONE:
+            if isinstance(item, tuple) or item.kind == pb.PushReply.DONE:
                 return
 
     def _read(
@@ -292,7 +311,7 @@ class KVReceiver:
         requests: Iterator[bytes],
     ) -> None:
         """Consume the layers and the trailer; reply DONE, or an error status."""
-        reply: _Reply
+        reply: Reply
         try:
             reply = self._consume(res, header, layout, requests)
         except TransferError as e:

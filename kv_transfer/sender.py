@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from kv_transfer.layout import slot_mapping
+from kv_transfer.local_control import ControlCall, LocalCall, LocalControlPool
 from kv_transfer.pairs import PairPool, backend_for
 from kv_transfer.planes import DataPlane, GrpcPlane, PairPlane, ShmPlane
 from kv_transfer.shm import SharedCacheAttachments
@@ -69,6 +70,7 @@ class OutboundTransfer:
         self.status = TransferStatus(self.started + ticket.timeout_s)
         self.slots: torch.Tensor | None = None  # [num_tokens] source cache slots
         self.plane_name = ""
+        self.control = ""  # where the Push protocol ran: "local" (Unix socket) or "grpc"
         self.nbytes = 0
         self.first_token: int = -1
         self.first_token_unix = 0.0
@@ -79,7 +81,7 @@ class OutboundTransfer:
         self._cancelled = threading.Event()
         self._blocks_lock = threading.Lock()  # held while reading the source blocks
         self._blocks_released = False
-        self._call: grpc.Future | None = None
+        self._call: ControlCall | None = None
         self._write_deadline = 0.0  # set from the receiver's ACCEPTED
         self._cancelled_by_receiver = False
         self._local_error: TransferError | None = None  # why this side ended the stream
@@ -146,8 +148,10 @@ class OutboundTransfer:
             plane = self.sender.choose_plane(self.ticket, self.kv_caches[0].device)
             self.plane_name = pb.DataPlane.Name(plane.kind).removeprefix("DATA_PLANE_").lower()
             self.status.advance(TransferState.WAITING_FOR_INPUT)
-            push = self.sender.push_method(self.ticket.endpoint)
-            self._call = push(self._requests(plane), timeout=max(self.status.remaining(), 0))
+            self._call = self.sender.open_call(
+                self.ticket, plane, self._requests(plane), max(self.status.remaining(), 0)
+            )
+            self.control = "local" if isinstance(self._call, LocalCall) else "grpc"
             if self._cancelled.is_set():
                 self._call.cancel()
             for reply in self._call:
@@ -306,6 +310,7 @@ class KVSender:
         pair_idle_s: float = 300.0,
         pair_setup_timeout_s: float = 10.0,
         wrap_plane: Callable[[DataPlane], DataPlane] | None = None,
+        local_control: bool = True,
     ) -> None:
         if channel not in CHANNELS:
             raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
@@ -317,7 +322,8 @@ class KVSender:
         self.wrap_plane = wrap_plane  # tests inject faults here (kv_transfer.fake)
         self.pairs = PairPool(host, self._open_remote, self._close_remote, max_pairs, pair_idle_s)
         self.shm = SharedCacheAttachments()
-        self.fallbacks = 0  # shared caches or pairs that could not be opened (another plane went)
+        self.local = LocalControlPool() if local_control else None
+        self.fallbacks = 0  # shared caches, pairs or local sockets not opened (another one went)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, OutboundTransfer] = {}
@@ -375,6 +381,18 @@ class KVSender:
             self.fallbacks += 1
         log.warning("%s", why)
 
+    def open_call(
+        self, ticket: KVTicket, plane: DataPlane, requests: Iterator[bytes], timeout: float
+    ) -> ControlCall:
+        """The transfer's Push call: on the receiver's host-local socket for the shm plane
+        (local_control.py), else (or when that socket cannot be reached) on its gRPC service."""
+        if self.local is not None and ticket.local_control and plane.kind == pb.DATA_PLANE_SHM:
+            try:
+                return self.local.call(ticket.local_control, requests, timeout)
+            except OSError as e:
+                self._fell_back(f"cannot reach {ticket.endpoint}'s local control socket ({e})")
+        return self.push_method(ticket.endpoint)(requests, timeout=timeout)
+
     def _channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             channel = self._channels.get(endpoint)
@@ -414,5 +432,7 @@ class KVSender:
             t.abort()
         self.pairs.close()
         self.shm.close()
+        if self.local is not None:
+            self.local.close()
         for channel in self._channels.values():
             channel.close()

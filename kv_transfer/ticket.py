@@ -2,9 +2,9 @@
 
 The decode worker issues a `KVTicket` when it reserves blocks for a prompt; the router hands it to
 the prefill worker with the request. The ticket names where to send (endpoint, and the optional
-shared cache and torch.distributed rendezvous), which blocks to fill, and what the receiver
-will accept (layout and fingerprint); a header that disagrees is refused before anything is
-written.
+shared cache, host-local control socket and torch.distributed rendezvous), which blocks to fill,
+and what the receiver will accept (layout and fingerprint); a header that disagrees is refused
+before anything is written.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ class KVTicket:
     shared_cache: str = ""  # the receiver's cache for same-host senders (shm.py); "" when none
     pair_store: str = ""  # host:port of its TCPStore for torch.distributed pairs; "" when none
     timeout_s: float = 30.0
+    local_control: str = ""  # its host-local control socket (local_control.py); "" when none
 
     def to_proto(self) -> pb.KVTicket:
         return pb.KVTicket(
@@ -103,6 +104,7 @@ class KVTicket:
             shared_cache=self.shared_cache,
             pair_store=self.pair_store,
             timeout_s=self.timeout_s,
+            local_control=self.local_control,
         )
 
     @classmethod
@@ -118,6 +120,7 @@ class KVTicket:
             msg.shared_cache,
             msg.pair_store,
             msg.timeout_s,
+            msg.local_control,
         )
 
 

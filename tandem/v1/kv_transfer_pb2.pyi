@@ -33,7 +33,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTicket(_message.Message):
-    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_cache", "pair_store", "timeout_s")
+    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_cache", "pair_store", "timeout_s", "local_control")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class KVTicket(_message.Message):
     SHARED_CACHE_FIELD_NUMBER: _ClassVar[int]
     PAIR_STORE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CONTROL_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -54,7 +55,8 @@ class KVTicket(_message.Message):
     shared_cache: str
     pair_store: str
     timeout_s: float
-    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_cache: _Optional[str] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    local_control: str
+    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_cache: _Optional[str] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ..., local_control: _Optional[str] = ...) -> None: ...
 
 class CudaIpcCache(_message.Message):
     __slots__ = ("device_uuid", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

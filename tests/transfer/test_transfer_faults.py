@@ -67,7 +67,7 @@ def transfer_error(proc: WorkerProcess, command: str, within: float) -> Transfer
     return failure.value
 
 
-@pytest.mark.parametrize("channel", ["grpc", "pair"])
+@pytest.mark.parametrize("channel", ["grpc", "pair", "shm"])
 def test_sender_killed_mid_transfer(
     tiny_llama_path: Path,
     spawn: Callable[[str], WorkerProcess],
@@ -88,7 +88,7 @@ def test_sender_killed_mid_transfer(
     decode_proc.call("wait_idle", "d")
 
 
-@pytest.mark.parametrize("channel", ["grpc", "pair"])
+@pytest.mark.parametrize("channel", ["grpc", "pair", "shm"])
 def test_receiver_killed_mid_transfer(
     tiny_llama_path: Path,
     spawn: Callable[[str], WorkerProcess],
@@ -111,7 +111,7 @@ def test_receiver_killed_mid_transfer(
     prefill_proc.call("wait_idle", "p")
 
 
-@pytest.mark.parametrize("channel", ["grpc", "pair"])
+@pytest.mark.parametrize("channel", ["grpc", "pair", "shm"])
 def test_stalled_sender_times_out_on_both_sides(
     tiny_llama_path: Path, prefill_proc: WorkerProcess, decode_proc: WorkerProcess, channel: str
 ) -> None:

@@ -1,0 +1,387 @@
+"""Host-local control stream: the Push protocol over a Unix socket, for same-host transfers.
+
+On the shared-memory plane the sender writes the KV into the receiver's memory itself, so all
+that crosses between the two processes is control: the header, ACCEPTED, a marker, the trailer
+and DONE. On a gRPC call these cost milliseconds (the call's creation, HTTP/2 and its thread
+hand-offs), most of a 512-token transfer; on a Unix socket kept open between transfers they cost
+tens of microseconds. The messages and their order are the Push stream's
+(`KVReceiver.serve`), in frames
+
+    kind (1 byte) | payload length (4 bytes, little-endian) | payload
+
+sender -> receiver: MESSAGE (a serialized KVChunk), END (the sender's messages are over, as a
+gRPC half-close); receiver -> sender: REPLY (a serialized PushReply), STATUS (the transfer ends
+with a gRPC status: its code's name, a newline, the details). A connection carries one transfer
+at a time and is kept for the next only after one that ended in DONE; any other end closes it,
+so no frame of a failed transfer can reach the next one. A dead peer closes the socket, which
+the other side sees at once, as a broken gRPC stream. Sockets live in Linux's abstract
+namespace: nothing on disk to clean up, reachable only from the same network namespace (a
+sender that cannot connect uses the receiver's gRPC service).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+import grpc
+
+from tandem.v1 import kv_transfer_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MESSAGE, END, REPLY, STATUS = 1, 2, 3, 4
+_FRAME = struct.Struct("<BI")
+_SMALL = 1 << 16  # payloads up to this size go out in one send with their frame header
+
+Reply = pb.PushReply | tuple[grpc.StatusCode, str]  # a reply, or the status to end with
+
+
+class ControlCall(Protocol):
+    """What a sender holds of a Push call: its replies, and a way to stop it."""
+
+    def __iter__(self) -> Iterator[pb.PushReply]: ...
+
+    def cancel(self) -> bool: ...
+
+
+class LocalCallError(grpc.RpcError):
+    """A local call's end other than DONE, shaped as the RpcError a gRPC call raises."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def send_frame(sock: socket.socket, kind: int, payload: bytes = b"") -> None:
+    head = _FRAME.pack(kind, len(payload))
+    if len(payload) <= _SMALL:
+        sock.sendall(head + payload)
+    else:
+        sock.sendall(head)
+        sock.sendall(payload)
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+    """The next frame; EOFError when the peer closed the socket."""
+    kind, size = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
+    return kind, _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = sock.recv(size) if size else b""
+    if len(data) == size:
+        return data
+    if not data:
+        raise EOFError("the peer closed the connection")
+    buf = bytearray(size)
+    buf[: len(data)] = data
+    view, got = memoryview(buf), len(data)
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError(f"the peer closed the connection after {got} of {size} bytes")
+        got += n
+    return bytes(buf)
+
+
+def _close(sock: socket.socket) -> None:
+    """Shut down first: a thread blocked in recv on the socket wakes up (close alone does not)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+# -- receiver side -------------------------------------------------------------------------------
+
+
+class _Requests:
+    """One transfer's messages as they arrive on a connection (what a gRPC handler iterates)."""
+
+    def __init__(self, conn: socket.socket, first: bytes) -> None:
+        self.conn = conn
+        self.first: bytes | None = first
+        self.ended = False  # END was read: the connection is at the next transfer's start
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self
+
+    def __next__(self) -> bytes:
+        if self.first is not None:
+            first, self.first = self.first, None
+            return first
+        if self.ended:
+            raise StopIteration
+        try:
+            kind, payload = recv_frame(self.conn)
+        except (OSError, EOFError) as e:
+            raise LocalCallError(grpc.StatusCode.CANCELLED, f"the sender's connection: {e}") from e
+        if kind == END:
+            self.ended = True
+            raise StopIteration
+        if kind != MESSAGE:
+            raise LocalCallError(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected frame {kind}")
+        return payload
+
+    def drain(self, timeout_s: float) -> bool:
+        """Read on to END (the sender's messages after DONE); False when they do not end."""
+        self.conn.settimeout(timeout_s)
+        try:
+            for _ in self:
+                pass
+        except (grpc.RpcError, OSError):
+            return False
+        finally:
+            self.conn.settimeout(None)
+        return self.ended
+
+
+class LocalControlServer:
+    """A receiver's Unix socket: each connection's transfers go through `serve` (the Push
+    handler: requests in, replies out, a status tuple to end otherwise), one at a time."""
+
+    def __init__(
+        self, serve: Callable[[Iterator[bytes]], Iterator[Reply]], max_connections: int = 128
+    ) -> None:
+        self.serve = serve
+        self.max_connections = max_connections
+        self.address = f"tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind("\0" + self.address)
+        self._sock.listen(64)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="kv-local-accept", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with self._lock:
+                full = self._closed or len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                log.warning("local control: %d connections, refusing one", self.max_connections)
+                conn.close()
+                continue
+            threading.Thread(
+                target=self._connection, args=(conn,), name="kv-local-conn", daemon=True
+            ).start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            while self._transfer(conn):
+                pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            _close(conn)
+
+    def _transfer(self, conn: socket.socket) -> bool:
+        """Serve one transfer; True when it ended in DONE and the connection carries on."""
+        try:
+            kind, first = recv_frame(conn)  # idle until the sender's next transfer
+        except (OSError, EOFError):
+            return False
+        if kind != MESSAGE:
+            return False
+        requests = _Requests(conn, first)
+        done = False
+        try:
+            for item in self.serve(requests):
+                if isinstance(item, tuple):
+                    code, details = item
+                    send_frame(conn, STATUS, f"{code.name}\n{details}".encode())
+                    return False
+                send_frame(conn, REPLY, item.SerializeToString())
+                done = item.kind == pb.PushReply.DONE
+        except OSError:
+            return False  # the sender is gone; closing the socket stops the transfer's reader
+        return done and requests.drain(timeout_s=5.0)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            conns = list(self._conns)
+        _close(self._sock)
+        for conn in conns:
+            _close(conn)
+
+
+# -- sender side ---------------------------------------------------------------------------------
+
+
+class LocalConnection:
+    """A sender's connection to one receiver, with the thread that writes its transfers'
+    messages (a gRPC call iterates its requests on a thread of its own, too)."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(timeout_s)
+            self.sock.connect("\0" + address)
+        except OSError:
+            self.sock.close()
+            raise
+        self.idle_since = time.monotonic()
+        self._work: list[Iterator[bytes] | None] = []
+        self._ready = threading.Condition()
+        self.written = threading.Event()  # the current transfer's messages are all out (END)
+        threading.Thread(target=self._write, name="kv-local-write", daemon=True).start()
+
+    def start(self, requests: Iterator[bytes]) -> None:
+        self.written.clear()
+        with self._ready:
+            self._work.append(requests)
+            self._ready.notify()
+
+    def _write(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: bool(self._work))
+                requests = self._work.pop(0)
+            if requests is None:
+                return
+            try:
+                for message in requests:
+                    send_frame(self.sock, MESSAGE, message)
+                send_frame(self.sock, END)
+                self.written.set()
+            except OSError:
+                pass  # the reading side sees the broken connection (or the receiver's status)
+
+    def stale(self) -> bool:
+        """An idle connection is never readable: readable means closed by the receiver."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        return bool(readable)
+
+    def close(self) -> None:
+        with self._ready:
+            self._work.append(None)
+            self._ready.notify()
+        _close(self.sock)
+
+
+class LocalCall:
+    """A Push call on a LocalConnection: iterating gives the replies and raises LocalCallError
+    where a gRPC call raises its RpcError."""
+
+    def __init__(
+        self,
+        pool: LocalControlPool,
+        conn: LocalConnection,
+        requests: Iterator[bytes],
+        timeout: float,
+    ) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._cancelled = False
+        conn.sock.settimeout(max(timeout, 1e-3))  # the call's deadline, as a gRPC call has
+        conn.start(requests)
+
+    def __iter__(self) -> Iterator[pb.PushReply]:
+        clean = False
+        try:
+            while True:
+                kind, payload = self._recv()
+                if kind == STATUS:
+                    name, _, details = payload.decode().partition("\n")
+                    code = grpc.StatusCode[name] if name in grpc.StatusCode.__members__ else None
+                    raise LocalCallError(code or grpc.StatusCode.UNKNOWN, details)
+                if kind != REPLY:
+                    raise LocalCallError(grpc.StatusCode.INTERNAL, f"unexpected frame {kind}")
+                reply = pb.PushReply.FromString(payload)
+                yield reply
+                if reply.kind == pb.PushReply.DONE:
+                    clean = self._conn.written.wait(1.0) and not self._cancelled
+                    return
+        finally:
+            self._pool.release(self._conn, clean)
+
+    def _recv(self) -> tuple[int, bytes]:
+        try:
+            return recv_frame(self._conn.sock)
+        except TimeoutError as e:
+            raise LocalCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline") from e
+        except (OSError, EOFError) as e:
+            if self._cancelled:
+                raise LocalCallError(grpc.StatusCode.CANCELLED, "cancelled by the sender") from e
+            raise LocalCallError(grpc.StatusCode.UNAVAILABLE, f"the receiver's socket: {e}") from e
+
+    def cancel(self) -> bool:
+        self._cancelled = True
+        with contextlib.suppress(OSError):  # wakes the reader; nothing reuses the connection
+            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        return True
+
+
+class LocalControlPool:
+    """A sender's idle connections by receiver address, reused across transfers; those idle
+    longer than `idle_s` or closed by their receiver are dropped when next looked at."""
+
+    def __init__(
+        self, max_idle: int = 16, idle_s: float = 60.0, connect_timeout_s: float = 2.0
+    ) -> None:
+        self.max_idle = max_idle
+        self.idle_s = idle_s
+        self.connect_timeout_s = connect_timeout_s
+        self._idle: dict[str, list[LocalConnection]] = {}
+        self._lock = threading.Lock()
+
+    def call(self, address: str, requests: Iterator[bytes], timeout: float) -> LocalCall:
+        """A Push call to the receiver at `address`; OSError when it cannot be reached."""
+        conn = self._take(address) or LocalConnection(address, self.connect_timeout_s)
+        return LocalCall(self, conn, requests, timeout)
+
+    def _take(self, address: str) -> LocalConnection | None:
+        now = time.monotonic()
+        drop: list[LocalConnection] = []
+        found = None
+        with self._lock:
+            idle = self._idle.get(address, [])
+            while idle and found is None:
+                conn = idle.pop()
+                if now - conn.idle_since > self.idle_s or conn.stale():
+                    drop.append(conn)
+                else:
+                    found = conn
+        for conn in drop:
+            conn.close()
+        return found
+
+    def release(self, conn: LocalConnection, reusable: bool) -> None:
+        if reusable:
+            conn.idle_since = time.monotonic()
+            with self._lock:
+                idle = self._idle.setdefault(conn.address, [])
+                if len(idle) < self.max_idle:
+                    idle.append(conn)
+                    return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for conn in conns:
+            conn.close()

@@ -1,0 +1,197 @@
+"""The host-local control stream (kv_transfer/local_control.py): frames, a same-host transfer on
+the Unix socket and the reuse of its connection, the fallback to gRPC, failures that close the
+connection, and the gRPC control that a sender or receiver without the socket keeps using.
+
+Sender and receiver share one process here (the socket does not care); the two-process cases,
+killed and stalled peers included, run in test_transfer_planes.py and test_transfer_faults.py,
+where the shm plane takes this socket by default."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, KVTicket, TransferState
+from kv_transfer.layout import gather_tokens, slot_mapping
+from kv_transfer.local_control import (
+    END,
+    MESSAGE,
+    REPLY,
+    STATUS,
+    LocalCallError,
+    LocalConnection,
+    recv_frame,
+    send_frame,
+)
+from kv_transfer.shm import SharedKVCache
+
+pytestmark = pytest.mark.timeout(60)
+
+CPU = torch.device("cpu")
+LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4, dtype="float32")
+SRC_BLOCKS, DST_BLOCKS, N = [5, 1, 7, 2], [3, 0, 6, 4], 14
+
+
+@pytest.fixture
+def receiver() -> Iterator[KVReceiver]:
+    cache = SharedKVCache.create(LAYOUT, num_blocks=8)
+    rx = KVReceiver(cache.kv_caches, "model", shm=cache)
+    yield rx
+    rx.close()
+    cache.close()
+
+
+@pytest.fixture
+def source() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (2, 8, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    return [torch.randn(shape, generator=g) for _ in range(LAYOUT.num_layers)]
+
+
+def transfer(sender: KVSender, ticket: KVTicket, source: list[torch.Tensor]) -> str:
+    """Push every layer; the sender's outcome: "success" or its failure cause."""
+    t = sender.begin(ticket, source)
+    t.set_source(SRC_BLOCKS)
+    t.all_layers_ready()
+    t.finish(first_token=7)
+    state = t.wait(10.0)
+    assert sender.poll() == [t]
+    if state == TransferState.SUCCESS:
+        return f"success over {t.control}"
+    assert t.status.error is not None
+    return t.status.error.cause.value
+
+
+def arrived(rx: KVReceiver, source: list[torch.Tensor]) -> None:
+    """The reservation is reported a success and its blocks hold the sender's KV."""
+    deadline = time.monotonic() + 10.0
+    while not (done := rx.poll()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    (arrival,) = done
+    assert arrival.state == TransferState.SUCCESS and arrival.first_token == 7
+    src, dst = slot_mapping(SRC_BLOCKS, 4, N, CPU), slot_mapping(DST_BLOCKS, 4, N, CPU)
+    for a, b in zip(source, rx.kv_caches, strict=True):
+        assert torch.equal(gather_tokens(b, dst), gather_tokens(a, src))
+
+
+def idle(sender: KVSender) -> list[LocalConnection]:
+    assert sender.local is not None
+    return [c for conns in sender.local._idle.values() for c in conns]
+
+
+def test_frames_round_trip_whatever_their_size() -> None:
+    a, b = socket.socketpair()
+    big = bytes(range(256)) * 4096  # past the one-send size and the socket's buffer
+
+    def send() -> None:
+        send_frame(a, MESSAGE, b"header")
+        send_frame(a, MESSAGE, big)
+        send_frame(a, END)
+        send_frame(a, STATUS, b"NOT_FOUND\nno reservation")
+        a.sendall(b"\x03\x10\x00\x00\x00short")  # a REPLY frame cut off by the peer's close
+        a.close()
+
+    writer = threading.Thread(target=send)
+    writer.start()
+    with b:
+        assert recv_frame(b) == (MESSAGE, b"header")
+        assert recv_frame(b) == (MESSAGE, big)
+        assert recv_frame(b) == (END, b"")
+        assert recv_frame(b) == (STATUS, b"NOT_FOUND\nno reservation")
+        with pytest.raises(EOFError):
+            recv_frame(b)
+    writer.join()
+    assert REPLY not in (MESSAGE, END, STATUS)
+    error = LocalCallError(grpc.StatusCode.NOT_FOUND, "gone")
+    assert isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_same_host_transfers_take_the_socket_and_reuse_its_connection(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    sender = KVSender("model")  # auto: the shm plane, the receiver being on this host
+    try:
+        ticket = receiver.expect("a", DST_BLOCKS, N)
+        assert ticket.local_control
+        assert transfer(sender, ticket, source) == "success over local"
+        arrived(receiver, source)
+        (conn,) = idle(sender)  # kept for the next transfer
+        assert transfer(sender, receiver.expect("b", DST_BLOCKS, N), source) == "success over local"
+        arrived(receiver, source)
+        assert idle(sender) == [conn]
+        assert sender.fallbacks == 0
+    finally:
+        sender.close()
+
+
+def test_an_unreachable_socket_falls_back_to_grpc(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    sender = KVSender("model")
+    try:
+        ticket = dataclasses.replace(receiver.expect("a", DST_BLOCKS, N), local_control="nobody")
+        assert transfer(sender, ticket, source) == "success over grpc"
+        arrived(receiver, source)
+        assert sender.fallbacks == 1
+    finally:
+        sender.close()
+
+
+def test_a_refused_transfer_closes_its_connection(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    stranger = KVSender("another model")
+    sender = KVSender("model")
+    try:
+        ticket = receiver.expect("a", DST_BLOCKS, N)
+        assert transfer(stranger, ticket, source) == FailureCause.BAD_METADATA.value
+        assert idle(stranger) == []
+        (failed,) = receiver.poll()
+        assert failed.error is not None and failed.error.cause == FailureCause.BAD_METADATA
+        assert transfer(sender, receiver.expect("b", DST_BLOCKS, N), source) == "success over local"
+        arrived(receiver, source)
+    finally:
+        stranger.close()
+        sender.close()
+
+
+def test_a_connection_its_receiver_closed_is_not_reused(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    sender = KVSender("model")
+    try:
+        ticket = receiver.expect("a", DST_BLOCKS, N)
+        assert transfer(sender, ticket, source) == "success over local"
+        (conn,) = idle(sender)
+        assert sender.local is not None
+        receiver._local.close()  # type: ignore[union-attr]  # as when its process ends
+        for _ in range(200):
+            if conn.stale():
+                break
+            time.sleep(0.005)
+        assert sender.local._take(ticket.local_control) is None and idle(sender) == []
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+def test_without_the_socket_the_push_runs_on_grpc(side: str, source: list[torch.Tensor]) -> None:
+    cache = SharedKVCache.create(LAYOUT, num_blocks=8)
+    rx = KVReceiver(cache.kv_caches, "model", shm=cache, local_control=side != "receiver")
+    sender = KVSender("model", local_control=side != "sender")
+    try:
+        ticket = rx.expect("a", DST_BLOCKS, N)
+        assert bool(ticket.local_control) == (side != "receiver")
+        assert transfer(sender, ticket, source) == "success over grpc"
+        arrived(rx, source)
+    finally:
+        sender.close()
+        rx.close()
+        cache.close()
