@@ -46,12 +46,6 @@ class Buffer {
   Py_buffer view_{};
 };
 
-#if defined(__SSE2__)
-// Bytes ahead of the copy that a streamed copy asks for: the hardware prefetcher stops at each
-// 4 KB page, and a paged cache's rows are runs of a few pages scattered over the cache.
-constexpr int64_t kPrefetchAhead = 1024;
-#endif
-
 void copy_bytes(char* dst, const char* src, int64_t n, bool stream) {
 #if defined(__SSE2__)
   const auto d_addr = reinterpret_cast<uintptr_t>(dst);
@@ -63,7 +57,6 @@ void copy_bytes(char* dst, const char* src, int64_t n, bool stream) {
     n -= head;
     const int64_t bulk = n & ~int64_t{63};
     for (int64_t i = 0; i < bulk; i += 64) {
-      if (i + kPrefetchAhead < n) _mm_prefetch(src + i + kPrefetchAhead, _MM_HINT_NTA);
       const auto* s = reinterpret_cast<const __m128i*>(src + i);
       auto* d = reinterpret_cast<__m128i*>(dst + i);
       const __m128i a = _mm_load_si128(s), b = _mm_load_si128(s + 1);
