@@ -3,20 +3,21 @@
 On the shared-memory plane the sender writes the KV into the receiver's memory itself, so all
 that crosses between the two processes is control: the header, ACCEPTED, a marker, the trailer
 and DONE. On a gRPC call these cost milliseconds (the call's creation, HTTP/2 and its thread
-hand-offs), most of a 512-token transfer; on a Unix socket kept open between transfers they cost
-tens of microseconds. The messages and their order are the Push stream's
+hand-offs), a third of a 512-token transfer; on a Unix socket kept open between transfers a
+round trip costs tens of microseconds. The messages and their order are the Push stream's
 (`KVReceiver.serve`), in frames
 
     kind (1 byte) | payload length (4 bytes, little-endian) | payload
 
 sender -> receiver: MESSAGE (a serialized KVChunk), END (the sender's messages are over, as a
-gRPC half-close); receiver -> sender: REPLY (a serialized PushReply), STATUS (the transfer ends
-with a gRPC status: its code's name, a newline, the details). A connection carries one transfer
-at a time and is kept for the next only after one that ended in DONE; any other end closes it,
-so no frame of a failed transfer can reach the next one. A dead peer closes the socket, which
-the other side sees at once, as a broken gRPC stream. Sockets live in Linux's abstract
-namespace: nothing on disk to clean up, reachable only from the same network namespace (a
-sender that cannot connect uses the receiver's gRPC service).
+gRPC half-close); receiver -> sender: READY (once, on a new connection; a receiver at its bound
+sends STATUS instead and closes, and the sender goes to gRPC), REPLY (a serialized PushReply),
+STATUS (the transfer ends with a gRPC status: its code's name, a newline, the details).
+A connection carries one transfer at a time and is kept for the next only after one that ended
+in DONE; any other end closes it, so no frame of a failed transfer can reach the next one. A
+dead peer closes the socket, which the other side sees at once, as a broken gRPC stream.
+Sockets live in Linux's abstract namespace: nothing on disk to clean up, reachable only from the
+same network namespace (a sender that cannot connect uses the receiver's gRPC service).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from tandem.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-MESSAGE, END, REPLY, STATUS = 1, 2, 3, 4
+MESSAGE, END, REPLY, STATUS, READY = 1, 2, 3, 4, 5
 _FRAME = struct.Struct("<BI")
 _SMALL = 1 << 16  # payloads up to this size go out in one send with their frame header
 
@@ -156,7 +157,7 @@ class LocalControlServer:
     handler: requests in, replies out, a status tuple to end otherwise), one at a time."""
 
     def __init__(
-        self, serve: Callable[[Iterator[bytes]], Iterator[Reply]], max_connections: int = 128
+        self, serve: Callable[[Iterator[bytes]], Iterator[Reply]], max_connections: int = 1024
     ) -> None:
         self.serve = serve
         self.max_connections = max_connections
@@ -181,7 +182,9 @@ class LocalControlServer:
                     self._conns.add(conn)
             if full:
                 log.warning("local control: %d connections, refusing one", self.max_connections)
-                conn.close()
+                with contextlib.suppress(OSError):
+                    send_frame(conn, STATUS, b"RESOURCE_EXHAUSTED\ntoo many connections")
+                _close(conn)
                 continue
             threading.Thread(
                 target=self._connection, args=(conn,), name="kv-local-conn", daemon=True
@@ -189,8 +192,11 @@ class LocalControlServer:
 
     def _connection(self, conn: socket.socket) -> None:
         try:
+            send_frame(conn, READY)
             while self._transfer(conn):
                 pass
+        except OSError:
+            pass  # the sender left before READY
         finally:
             with self._lock:
                 self._conns.discard(conn)
@@ -240,9 +246,12 @@ class LocalConnection:
         try:
             self.sock.settimeout(timeout_s)
             self.sock.connect("\0" + address)
-        except OSError:
+            kind, payload = recv_frame(self.sock)
+            if kind != READY:
+                raise ConnectionRefusedError(payload.decode(errors="replace").replace("\n", ": "))
+        except (OSError, EOFError) as e:
             self.sock.close()
-            raise
+            raise ConnectionError(f"local control socket {address}: {e}") from e
         self.idle_since = time.monotonic()
         self._work: list[Iterator[bytes] | None] = []
         self._ready = threading.Condition()
@@ -296,7 +305,8 @@ class LocalCall:
         self._pool = pool
         self._conn = conn
         self._cancelled = False
-        conn.sock.settimeout(max(timeout, 1e-3))  # the call's deadline, as a gRPC call has
+        self._deadline = time.monotonic() + timeout  # the call's, as a gRPC call has one
+        conn.sock.settimeout(max(timeout, 1e-3))
         conn.start(requests)
 
     def __iter__(self) -> Iterator[pb.PushReply]:
@@ -320,6 +330,7 @@ class LocalCall:
 
     def _recv(self) -> tuple[int, bytes]:
         try:
+            self._conn.sock.settimeout(max(self._deadline - time.monotonic(), 1e-3))
             return recv_frame(self._conn.sock)
         except TimeoutError as e:
             raise LocalCallError(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline") from e

@@ -130,9 +130,10 @@ class KVReceiver:
         self._server.add_generic_rpc_handlers((_service(self),))
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         self._server.start()
-        # Same-host senders (the shm plane) run the Push protocol over a Unix socket instead.
+        # Same-host senders (the shm plane) run the Push protocol over a Unix socket instead;
+        # a connection is a transfer in flight or one a sender keeps idle (16 at most each).
         self._local = (
-            LocalControlServer(self.serve, max_streams)
+            LocalControlServer(self.serve, max_connections=8 * max_streams)
             if local_control and shm is not None
             else None
         )

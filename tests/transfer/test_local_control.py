@@ -144,6 +144,24 @@ def test_an_unreachable_socket_falls_back_to_grpc(
         sender.close()
 
 
+def test_a_receiver_at_its_bound_of_connections_sends_senders_to_grpc(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    assert receiver._local is not None
+    receiver._local.max_connections = 1
+    holder, sender = KVSender("model"), KVSender("model")
+    try:
+        assert transfer(holder, receiver.expect("a", DST_BLOCKS, N), source) == "success over local"
+        arrived(receiver, source)
+        assert len(idle(holder)) == 1  # the one connection the receiver takes, kept open
+        assert transfer(sender, receiver.expect("b", DST_BLOCKS, N), source) == "success over grpc"
+        arrived(receiver, source)
+        assert sender.fallbacks == 1
+    finally:
+        holder.close()
+        sender.close()
+
+
 def test_a_refused_transfer_closes_its_connection(
     receiver: KVReceiver, source: list[torch.Tensor]
 ) -> None:
@@ -171,7 +189,8 @@ def test_a_connection_its_receiver_closed_is_not_reused(
         assert transfer(sender, ticket, source) == "success over local"
         (conn,) = idle(sender)
         assert sender.local is not None
-        receiver._local.close()  # type: ignore[union-attr]  # as when its process ends
+        assert receiver._local is not None
+        receiver._local.close()  # as when its process ends
         for _ in range(200):
             if conn.stale():
                 break
