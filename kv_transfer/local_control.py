@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Protocol
 
 import grpc
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 MESSAGE, END, REPLY, STATUS, READY = 1, 2, 3, 4, 5
 _FRAME = struct.Struct("<BI")
 _SMALL = 1 << 16  # payloads up to this size go out in one send with their frame header
+MAX_FRAME_BYTES = 64 << 20  # as the gRPC stream's message bound (wire.MAX_MESSAGE_BYTES)
+_PEER_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 Reply = pb.PushReply | tuple[grpc.StatusCode, str]  # a reply, or the status to end with
 
@@ -81,6 +83,8 @@ def send_frame(sock: socket.socket, kind: int, payload: bytes = b"") -> None:
 def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
     """The next frame; EOFError when the peer closed the socket."""
     kind, size = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
+    if size > MAX_FRAME_BYTES:
+        raise ConnectionError(f"a frame of {size} bytes, over {MAX_FRAME_BYTES}")
     return kind, _recv_exactly(sock, size)
 
 
@@ -157,7 +161,9 @@ class LocalControlServer:
     handler: requests in, replies out, a status tuple to end otherwise), one at a time."""
 
     def __init__(
-        self, serve: Callable[[Iterator[bytes]], Iterator[Reply]], max_connections: int = 1024
+        self,
+        serve: Callable[[Iterator[bytes]], Generator[Reply, None, None]],
+        max_connections: int = 1024,
     ) -> None:
         self.serve = serve
         self.max_connections = max_connections
@@ -171,24 +177,42 @@ class LocalControlServer:
         threading.Thread(target=self._accept, name="kv-local-accept", daemon=True).start()
 
     def _accept(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            with self._lock:
-                full = self._closed or len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                log.warning("local control: %d connections, refusing one", self.max_connections)
-                with contextlib.suppress(OSError):
-                    send_frame(conn, STATUS, b"RESOURCE_EXHAUSTED\ntoo many connections")
-                _close(conn)
+            except OSError as e:  # closed, or out of file descriptors for a moment
+                if not self._closed:
+                    log.warning("local control: accept failed: %s", e)
+                    time.sleep(0.05)
                 continue
-            threading.Thread(
-                target=self._connection, args=(conn,), name="kv-local-conn", daemon=True
-            ).start()
+            refusal = self._refusal(conn)
+            if refusal is None:
+                try:
+                    threading.Thread(
+                        target=self._connection, args=(conn,), name="kv-local-conn", daemon=True
+                    ).start()
+                    continue
+                except RuntimeError as e:  # no thread to be had
+                    with self._lock:
+                        self._conns.discard(conn)
+                    refusal = f"RESOURCE_EXHAUSTED\n{e}"
+            log.warning("local control: refusing a connection: %s", refusal.replace("\n", ": "))
+            with contextlib.suppress(OSError):
+                send_frame(conn, STATUS, refusal.encode())
+            _close(conn)
+
+    def _refusal(self, conn: socket.socket) -> str | None:
+        """Why this connection is refused (a STATUS payload), or None: it is counted in."""
+        _, uid, _ = _PEER_CRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEER_CRED.size)
+        )
+        if uid != os.getuid():  # the shared cache is this user's alone, too
+            return f"PERMISSION_DENIED\npeer uid {uid}, this worker's {os.getuid()}"
+        with self._lock:
+            if self._closed or len(self._conns) >= self.max_connections:
+                return f"RESOURCE_EXHAUSTED\n{self.max_connections} connections"
+            self._conns.add(conn)
+        return None
 
     def _connection(self, conn: socket.socket) -> None:
         try:
@@ -212,8 +236,9 @@ class LocalControlServer:
             return False
         requests = _Requests(conn, first)
         done = False
+        replies = self.serve(requests)
         try:
-            for item in self.serve(requests):
+            for item in replies:
                 if isinstance(item, tuple):
                     code, details = item
                     send_frame(conn, STATUS, f"{code.name}\n{details}".encode())
@@ -222,6 +247,8 @@ class LocalControlServer:
                 done = item.kind == pb.PushReply.DONE
         except OSError:
             return False  # the sender is gone; closing the socket stops the transfer's reader
+        finally:
+            replies.close()  # a transfer left mid-way fails its reservation (KVReceiver.serve)
         return done and requests.drain(timeout_s=5.0)
 
     def close(self) -> None:
@@ -281,8 +308,9 @@ class LocalConnection:
 
     def stale(self) -> bool:
         """An idle connection is never readable: readable means closed by the receiver."""
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return bool(readable)
+        poller = select.poll()  # not select(): it refuses descriptors past 1023
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         with self._ready:
@@ -293,7 +321,9 @@ class LocalConnection:
 
 class LocalCall:
     """A Push call on a LocalConnection: iterating gives the replies and raises LocalCallError
-    where a gRPC call raises its RpcError."""
+    where a gRPC call raises its RpcError. The call gives its connection back to the pool before
+    it hands out DONE, and after that neither reads from it nor cancels it: another transfer
+    may have it by then."""
 
     def __init__(
         self,
@@ -304,13 +334,14 @@ class LocalCall:
     ) -> None:
         self._pool = pool
         self._conn = conn
+        self._owned = True  # False once given back
+        self._lock = threading.Lock()
         self._cancelled = False
         self._deadline = time.monotonic() + timeout  # the call's, as a gRPC call has one
         conn.sock.settimeout(max(timeout, 1e-3))
         conn.start(requests)
 
     def __iter__(self) -> Iterator[pb.PushReply]:
-        clean = False
         try:
             while True:
                 kind, payload = self._recv()
@@ -321,12 +352,21 @@ class LocalCall:
                 if kind != REPLY:
                     raise LocalCallError(grpc.StatusCode.INTERNAL, f"unexpected frame {kind}")
                 reply = pb.PushReply.FromString(payload)
-                yield reply
                 if reply.kind == pb.PushReply.DONE:
-                    clean = self._conn.written.wait(1.0) and not self._cancelled
+                    self._give_back(self._conn.written.wait(1.0))  # END is out: reusable
+                    yield reply
                     return
+                yield reply
         finally:
-            self._pool.release(self._conn, clean)
+            self._give_back(False)
+
+    def _give_back(self, reusable: bool) -> None:
+        with self._lock:
+            if not self._owned:
+                return
+            self._owned = False
+            reusable = reusable and not self._cancelled
+        self._pool.release(self._conn, reusable)
 
     def _recv(self) -> tuple[int, bytes]:
         try:
@@ -340,42 +380,66 @@ class LocalCall:
             raise LocalCallError(grpc.StatusCode.UNAVAILABLE, f"the receiver's socket: {e}") from e
 
     def cancel(self) -> bool:
-        self._cancelled = True
-        with contextlib.suppress(OSError):  # wakes the reader; nothing reuses the connection
-            self._conn.sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            if not self._owned:
+                return False  # the call ended; its connection may be another transfer's now
+            self._cancelled = True
+            with contextlib.suppress(OSError):  # wakes the reader; the connection is not reused
+                self._conn.sock.shutdown(socket.SHUT_RDWR)
         return True
 
 
 class LocalControlPool:
-    """A sender's idle connections by receiver address, reused across transfers; those idle
-    longer than `idle_s` or closed by their receiver are dropped when next looked at."""
+    """A sender's idle connections by receiver address, reused across transfers (idle ones
+    closed after `idle_s`, or once their receiver closed them, looked at on each call), and the
+    addresses that could not be reached lately (not tried again for `retry_s`)."""
 
     def __init__(
-        self, max_idle: int = 16, idle_s: float = 60.0, connect_timeout_s: float = 2.0
+        self,
+        max_idle: int = 16,
+        idle_s: float = 60.0,
+        connect_timeout_s: float = 2.0,
+        retry_s: float = 60.0,
     ) -> None:
         self.max_idle = max_idle
         self.idle_s = idle_s
         self.connect_timeout_s = connect_timeout_s
+        self.retry_s = retry_s
         self._idle: dict[str, list[LocalConnection]] = {}
+        self._unreachable: dict[str, float] = {}  # address -> when it failed
         self._lock = threading.Lock()
+        self._closed = False
+
+    def reachable(self, address: str) -> bool:
+        """False while a failure to connect to `address` is recent."""
+        failed = self._unreachable.get(address)
+        return failed is None or time.monotonic() - failed >= self.retry_s
 
     def call(self, address: str, requests: Iterator[bytes], timeout: float) -> LocalCall:
         """A Push call to the receiver at `address`; OSError when it cannot be reached."""
-        conn = self._take(address) or LocalConnection(address, self.connect_timeout_s)
+        conn = self._take(address)
+        if conn is None:
+            try:
+                conn = LocalConnection(address, min(self.connect_timeout_s, max(timeout, 1e-3)))
+            except OSError:
+                self._unreachable[address] = time.monotonic()
+                raise
         return LocalCall(self, conn, requests, timeout)
 
     def _take(self, address: str) -> LocalConnection | None:
+        """An idle connection to `address`, after dropping every expired or closed one."""
         now = time.monotonic()
         drop: list[LocalConnection] = []
-        found = None
         with self._lock:
-            idle = self._idle.get(address, [])
-            while idle and found is None:
-                conn = idle.pop()
-                if now - conn.idle_since > self.idle_s or conn.stale():
-                    drop.append(conn)
+            for key, idle in list(self._idle.items()):
+                keep = [c for c in idle if now - c.idle_since <= self.idle_s and not c.stale()]
+                drop += [c for c in idle if c not in keep]
+                if keep:
+                    self._idle[key] = keep
                 else:
-                    found = conn
+                    del self._idle[key]
+            mine = self._idle.get(address)
+            found = mine.pop() if mine else None
         for conn in drop:
             conn.close()
         return found
@@ -385,13 +449,14 @@ class LocalControlPool:
             conn.idle_since = time.monotonic()
             with self._lock:
                 idle = self._idle.setdefault(conn.address, [])
-                if len(idle) < self.max_idle:
+                if not self._closed and len(idle) < self.max_idle:
                     idle.append(conn)
                     return
         conn.close()
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             conns = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
         for conn in conns:

@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -132,11 +132,12 @@ class KVReceiver:
         self._server.start()
         # Same-host senders (the shm plane) run the Push protocol over a Unix socket instead;
         # a connection is a transfer in flight or one a sender keeps idle (16 at most each).
-        self._local = (
-            LocalControlServer(self.serve, max_connections=8 * max_streams)
-            if local_control and shm is not None
-            else None
-        )
+        self._local: LocalControlServer | None = None
+        if local_control and shm is not None:
+            try:
+                self._local = LocalControlServer(self.serve, max_connections=8 * max_streams)
+            except OSError as e:  # no Unix sockets here: same-host senders use gRPC
+                log.warning("no local control socket (%s); same-host senders use gRPC", e)
 
     @property
     def endpoint(self) -> str:
@@ -265,7 +266,7 @@ class KVReceiver:
             else:
                 yield item
 
-    def serve(self, requests: Iterator[bytes]) -> Iterator[Reply]:
+    def serve(self, requests: Iterator[bytes]) -> Generator[Reply, None, None]:
         """One Push stream, on gRPC or the host-local socket: its requests are serialized
         KVChunks (`wire.parse_chunk`); yields the replies, ending with DONE or a status tuple."""
         message = next(requests, None)
@@ -285,14 +286,23 @@ class KVReceiver:
         except _Reject as e:
             yield e.code, e.message
             return
-        # ACCEPTED first: the sender gets on while the reader's thread starts (its messages wait)
-        yield pb.PushReply(kind=pb.PushReply.ACCEPTED, remaining_s=res.status.remaining())
-        threading.Thread(
-            target=self._read,
-            args=(res, header, layout, requests),
-            name=f"kv-read-{header.request_key}",
-            daemon=True,
-        ).start()
+        # ACCEPTED first: the sender gets on while the reader's thread starts (its messages
+        # wait). A stream that ends before the reader is running (ACCEPTED could not be sent,
+        # the call was cancelled) still gets its reader's ending: an empty one, so the
+        # reservation fails and its blocks go back once quiet.
+        reading = False
+        try:
+            yield pb.PushReply(kind=pb.PushReply.ACCEPTED, remaining_s=res.status.remaining())
+            threading.Thread(
+                target=self._read,
+                args=(res, header, layout, requests),
+                name=f"kv-read-{header.request_key}",
+                daemon=True,
+            ).start()
+            reading = True
+        finally:
+            if not reading:
+                self._read(res, header, layout, iter(()))
         while True:
             try:
                 item = res.replies.get(timeout=max(res.status.remaining(), 0.0))

@@ -386,9 +386,12 @@ class KVSender:
     ) -> ControlCall:
         """The transfer's Push call: on the receiver's host-local socket for the shm plane
         (local_control.py), else (or when that socket cannot be reached) on its gRPC service."""
-        if self.local is not None and ticket.local_control and plane.kind == pb.DATA_PLANE_SHM:
+        address, local = ticket.local_control, self.local
+        # An address that failed lately goes straight to gRPC (its failure was logged then).
+        if local is not None and address and plane.kind == pb.DATA_PLANE_SHM:
             try:
-                return self.local.call(ticket.local_control, requests, timeout)
+                if local.reachable(address):
+                    return local.call(address, requests, timeout)
             except OSError as e:
                 self._fell_back(f"cannot reach {ticket.endpoint}'s local control socket ({e})")
         return self.push_method(ticket.endpoint)(requests, timeout=timeout)

@@ -23,6 +23,7 @@ from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.local_control import (
     END,
     MESSAGE,
+    READY,
     REPLY,
     STATUS,
     LocalCallError,
@@ -31,6 +32,7 @@ from kv_transfer.local_control import (
     send_frame,
 )
 from kv_transfer.shm import SharedKVCache
+from tandem.v1 import kv_transfer_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -196,6 +198,81 @@ def test_a_connection_its_receiver_closed_is_not_reused(
                 break
             time.sleep(0.005)
         assert sender.local._take(ticket.local_control) is None and idle(sender) == []
+    finally:
+        sender.close()
+
+
+@pytest.mark.parametrize("control", ["local", "grpc"])
+def test_a_sender_gone_right_after_its_header_fails_the_reservation(
+    receiver: KVReceiver, source: list[torch.Tensor], control: str
+) -> None:
+    """The receiver answers ACCEPTED before its reader runs; a stream that ends in between (the
+    answer cannot be sent, or the call is cancelled) still frees the reservation."""
+    sender = KVSender("model", local_control=control == "local")
+    try:
+        for i in range(20):
+            t = sender.begin(receiver.expect(f"r{i}", DST_BLOCKS, N, timeout_s=0.5), source)
+            res = receiver._reservations[f"r{i}"]
+            deadline = time.monotonic() + 2.0
+            while not res.stream_open and time.monotonic() < deadline:
+                time.sleep(0.0002)
+            t.abort()
+            assert t.wait(5.0) == TransferState.FAILED
+            assert sender.poll() == [t]
+        deadline = time.monotonic() + 5.0  # the ticket's 0.5 s and the shm plane's grace
+        reported = []
+        while len(reported) < 20 and time.monotonic() < deadline:
+            reported += receiver.poll()
+            time.sleep(0.01)
+        assert len(reported) == 20 and len(receiver) == 0
+        assert all(a.state == TransferState.FAILED for a in reported)
+    finally:
+        sender.close()
+
+
+def test_a_header_alone_on_the_socket_fails_the_reservation(receiver: KVReceiver) -> None:
+    ticket = receiver.expect("a", DST_BLOCKS, N, timeout_s=1.0)
+    header = pb.TransferHeader(
+        request_key="a",
+        layout=LAYOUT.to_proto(),
+        model_fingerprint="model",
+        num_tokens=N,
+        data_plane=pb.DATA_PLANE_SHM,
+    )
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+        raw.connect("\0" + ticket.local_control)
+        assert recv_frame(raw)[0] == READY
+        send_frame(raw, MESSAGE, pb.KVChunk(header=header).SerializeToString())
+    deadline = time.monotonic() + 3.0  # the shm plane's grace after the failure
+    while not (done := receiver.poll()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (arrival,) = done
+    assert arrival.error is not None and arrival.error.cause == FailureCause.PEER_LOST
+
+
+def test_aborting_a_finished_transfer_leaves_its_connection_to_the_next(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    sender = KVSender("model")
+    try:
+        a = sender.begin(receiver.expect("a", DST_BLOCKS, N), source)
+        a.set_source(SRC_BLOCKS)
+        a.all_layers_ready()
+        a.finish(7)
+        assert a.wait(5.0) == TransferState.SUCCESS
+        arrived(receiver, source)
+        b = sender.begin(receiver.expect("b", DST_BLOCKS, N), source)
+        deadline = time.monotonic() + 5.0
+        while idle(sender) and time.monotonic() < deadline:  # until b has taken a's connection
+            time.sleep(0.001)
+        assert idle(sender) == []
+        a.abort()  # the request was aborted on the prefill side after its transfer ended
+        assert a.status.state == TransferState.SUCCESS
+        b.set_source(SRC_BLOCKS)
+        b.all_layers_ready()
+        b.finish(7)
+        assert b.wait(5.0) == TransferState.SUCCESS and b.control == "local"
+        arrived(receiver, source)
     finally:
         sender.close()
 
