@@ -305,6 +305,10 @@ class LocalConnection:
                 self.written.set()
             except OSError:
                 pass  # the reading side sees the broken connection (or the receiver's status)
+            except Exception:  # the messages failed: end the call, as gRPC cancels one
+                log.exception("local control: a transfer's messages failed")
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
 
     def stale(self) -> bool:
         """An idle connection is never readable: readable means closed by the receiver."""
