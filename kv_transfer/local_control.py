@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import select
 import socket
 import struct
@@ -105,10 +106,14 @@ def _recv_exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
-def _close(sock: socket.socket) -> None:
-    """Shut down first: a thread blocked in recv on the socket wakes up (close alone does not)."""
+def _shutdown(sock: socket.socket) -> None:
+    """Both ways: a thread blocked in recv on the socket wakes up (close alone does not)."""
     with contextlib.suppress(OSError):
         sock.shutdown(socket.SHUT_RDWR)
+
+
+def _close(sock: socket.socket) -> None:
+    _shutdown(sock)
     sock.close()
 
 
@@ -280,24 +285,16 @@ class LocalConnection:
             self.sock.close()
             raise ConnectionError(f"local control socket {address}: {e}") from e
         self.idle_since = time.monotonic()
-        self._work: list[Iterator[bytes] | None] = []
-        self._ready = threading.Condition()
+        self._work: queue.SimpleQueue[Iterator[bytes] | None] = queue.SimpleQueue()
         self.written = threading.Event()  # the current transfer's messages are all out (END)
         threading.Thread(target=self._write, name="kv-local-write", daemon=True).start()
 
     def start(self, requests: Iterator[bytes]) -> None:
         self.written.clear()
-        with self._ready:
-            self._work.append(requests)
-            self._ready.notify()
+        self._work.put(requests)
 
     def _write(self) -> None:
-        while True:
-            with self._ready:
-                self._ready.wait_for(lambda: bool(self._work))
-                requests = self._work.pop(0)
-            if requests is None:
-                return
+        while (requests := self._work.get()) is not None:
             try:
                 for message in requests:
                     send_frame(self.sock, MESSAGE, message)
@@ -307,8 +304,7 @@ class LocalConnection:
                 pass  # the reading side sees the broken connection (or the receiver's status)
             except Exception:  # the messages failed: end the call, as gRPC cancels one
                 log.exception("local control: a transfer's messages failed")
-                with contextlib.suppress(OSError):
-                    self.sock.shutdown(socket.SHUT_RDWR)
+                _shutdown(self.sock)
 
     def stale(self) -> bool:
         """An idle connection is never readable: readable means closed by the receiver."""
@@ -317,9 +313,7 @@ class LocalConnection:
         return bool(poller.poll(0))
 
     def close(self) -> None:
-        with self._ready:
-            self._work.append(None)
-            self._ready.notify()
+        self._work.put(None)
         _close(self.sock)
 
 
@@ -388,8 +382,7 @@ class LocalCall:
             if not self._owned:
                 return False  # the call ended; its connection may be another transfer's now
             self._cancelled = True
-            with contextlib.suppress(OSError):  # wakes the reader; the connection is not reused
-                self._conn.sock.shutdown(socket.SHUT_RDWR)
+            _shutdown(self._conn.sock)  # wakes the reader; the connection is not reused
         return True
 
 
