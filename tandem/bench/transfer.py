@@ -8,9 +8,10 @@ layout: its layers, KV heads and head_dim, `dtype`, `block_size`, sized for the 
 CPU the cache is a `SharedKVCache`) and a sender (one `KVSender` per channel, forced to it, over a
 seeded random source cache of the same layout). Both sides use a seeded permutation of their
 blocks, so gathers and scatters are paged as in an engine. Per transfer the receiver reserves
-(`expect`) and zeroes the blocks; the sender times `begin()` to `wait()` returning on DONE, with
-every layer ready at once (`set_source`, `all_layers_ready`, `finish`): header, ACCEPTED, the
-layers, trailer, DONE. Each transfer's bytes are then checked on both sides (a checksum weighted by
+(`expect`) blocks that are zero (zeroed after the previous transfer's check, not right before:
+as in an engine, the blocks are not hot in the receiver's cache); the sender times `begin()` to
+`wait()` returning on DONE, with every layer ready at once (`set_source`, `all_layers_ready`,
+`finish`): header, ACCEPTED, the layers, trailer, DONE. Each transfer's bytes are then checked on both sides (a checksum weighted by
 layer, K/V and token position). One untimed warm-up transfer per channel at the longest prompt
 comes first; the pair's setup (OpenPair RPC, rendezvous, group creation) is timed apart.
 
@@ -289,14 +290,8 @@ class ChannelReceiver:
         }
 
     def expect(self, key: str, num_tokens: int) -> KVTicket:
-        """Zero the blocks (so a transfer that writes nothing cannot pass) and reserve them."""
-        from kv_transfer.layout import slot_mapping
-
+        """Reserve the blocks (zero: the cache starts zeroed, `checksum` zeroes them again)."""
         blocks = self.blocks[: math.ceil(num_tokens / self.layout.block_size)]
-        slots = slot_mapping(blocks, self.layout.block_size, num_tokens, self.device)
-        for cache in self.receiver.kv_caches:
-            cache.view(2, -1, *cache.shape[3:]).index_fill_(1, slots, 0)
-        _sync(self.device)
         return self.receiver.expect(key, blocks, num_tokens, timeout_s=_TRANSFER_TIMEOUT_S)
 
     def arrived(self, key: str, timeout_s: float) -> dict[str, Any]:
@@ -318,8 +313,19 @@ class ChannelReceiver:
         }
 
     def checksum(self, num_tokens: int) -> float:
+        """The received bytes' checksum; then the blocks are zeroed, so that a later transfer
+        that writes nothing cannot pass. Zeroed here, not just before the next transfer: the
+        shared-memory sender's stores would then find every line dirty in this process's cache
+        (+1 ms at 512 tokens, measured), a handicap no memcpy reference and no engine has."""
+        from kv_transfer.layout import slot_mapping
+
         blocks = self.blocks[: math.ceil(num_tokens / self.layout.block_size)]
-        return kv_checksum(self.receiver.kv_caches, blocks, num_tokens)
+        total = kv_checksum(self.receiver.kv_caches, blocks, num_tokens)
+        slots = slot_mapping(blocks, self.layout.block_size, num_tokens, self.device)
+        for cache in self.receiver.kv_caches:
+            cache.view(2, -1, *cache.shape[3:]).index_fill_(1, slots, 0)
+        _sync(self.device)
+        return total
 
     def tcp_accept(self) -> None:
         self.conn, _ = self.listener.accept()
