@@ -408,9 +408,13 @@ class LocalControlPool:
         self._closed = False
 
     def reachable(self, address: str) -> bool:
-        """False while a failure to connect to `address` is recent."""
-        failed = self._unreachable.get(address)
-        return failed is None or time.monotonic() - failed >= self.retry_s
+        """False while a failure to connect to `address` is recent (older ones are forgotten
+        here: a receiver that is gone for good leaves no entry behind)."""
+        now = time.monotonic()
+        with self._lock:
+            for old in [a for a, t in self._unreachable.items() if now - t >= self.retry_s]:
+                del self._unreachable[old]
+            return address not in self._unreachable
 
     def call(self, address: str, requests: Iterator[bytes], timeout: float) -> LocalCall:
         """A Push call to the receiver at `address`; OSError when it cannot be reached."""
@@ -419,7 +423,8 @@ class LocalControlPool:
             try:
                 conn = LocalConnection(address, min(self.connect_timeout_s, max(timeout, 1e-3)))
             except OSError:
-                self._unreachable[address] = time.monotonic()
+                with self._lock:
+                    self._unreachable[address] = time.monotonic()
                 raise
         return LocalCall(self, conn, requests, timeout)
 

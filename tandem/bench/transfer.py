@@ -11,9 +11,10 @@ blocks, so gathers and scatters are paged as in an engine. Per transfer the rece
 (`expect`) blocks that are zero (zeroed after the previous transfer's check, not right before:
 as in an engine, the blocks are not hot in the receiver's cache); the sender times `begin()` to
 `wait()` returning on DONE, with every layer ready at once (`set_source`, `all_layers_ready`,
-`finish`): header, ACCEPTED, the layers, trailer, DONE. Each transfer's bytes are then checked on both sides (a checksum weighted by
-layer, K/V and token position). One untimed warm-up transfer per channel at the longest prompt
-comes first; the pair's setup (OpenPair RPC, rendezvous, group creation) is timed apart.
+`finish`): header, ACCEPTED, the layers, trailer, DONE. Each transfer's bytes are then checked
+on both sides (a checksum weighted by layer, K/V and token position). One untimed warm-up
+transfer per channel at the longest prompt comes first; the pair's setup (OpenPair RPC,
+rendezvous, group creation) is timed apart.
 
 References on the same bytes in the same run, in every round right after the channels
 (channel A, channel B, ..., TCP, memcpy, then the next prompt length):

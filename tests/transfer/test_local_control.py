@@ -28,6 +28,7 @@ from kv_transfer.local_control import (
     STATUS,
     LocalCallError,
     LocalConnection,
+    LocalControlPool,
     recv_frame,
     send_frame,
 )
@@ -144,6 +145,17 @@ def test_an_unreachable_socket_falls_back_to_grpc(
         assert sender.fallbacks == 1
     finally:
         sender.close()
+
+
+def test_an_unreachable_address_is_not_retried_until_its_entry_expires() -> None:
+    pool = LocalControlPool(retry_s=0.2)
+    with pytest.raises(OSError):
+        pool.call("nobody", iter(()), timeout=1.0)
+    assert not pool.reachable("nobody")
+    time.sleep(0.25)
+    assert pool.reachable("nobody")
+    assert pool._unreachable == {}  # a receiver gone for good leaves nothing behind
+    pool.close()
 
 
 def test_a_receiver_at_its_bound_of_connections_sends_senders_to_grpc(
