@@ -291,7 +291,7 @@ class ChannelReceiver:
         }
 
     def expect(self, key: str, num_tokens: int) -> KVTicket:
-        """Reserve the blocks (zero: the cache starts zeroed, `checksum` zeroes them again)."""
+        """Reserve the blocks (zero: the cache starts zeroed; `checksum_and_zero` zeroes again)."""
         blocks = self.blocks[: math.ceil(num_tokens / self.layout.block_size)]
         return self.receiver.expect(key, blocks, num_tokens, timeout_s=_TRANSFER_TIMEOUT_S)
 
@@ -313,7 +313,7 @@ class ChannelReceiver:
             "receiver_s": arrival.seconds,
         }
 
-    def checksum(self, num_tokens: int) -> float:
+    def checksum_and_zero(self, num_tokens: int) -> float:
         """The received bytes' checksum; then the blocks are zeroed, so that a later transfer
         that writes nothing cannot pass. Zeroed here, not just before the next transfer: the
         shared-memory sender's stores would then find every line dirty in this process's cache
@@ -854,7 +854,7 @@ def _transfer(rx: Child, tx: Child, channel: str, n: int, key: str) -> dict[str,
     arrival = rx.call("arrived", key, 30.0)
     if arrival["state"] != "SUCCESS":
         raise BenchError(f"{key}: the receiver reports {arrival['state']}: {arrival['error']}")
-    received = rx.call("checksum", n)
+    received = rx.call("checksum_and_zero", n)
     if not math.isclose(received, sent["checksum"], rel_tol=1e-9):
         raise BenchError(f"{key}: the received KV differs from the sent KV (checksum)")
     if arrival["nbytes"] != sent["nbytes"]:
