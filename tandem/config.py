@@ -22,6 +22,22 @@ QUANT_GROUP_SIZES = (32, 64, 128, 256)
 DEFAULT_MODEL = "smollm2-135m"
 
 
+# Instruction-set levels of the native CPU kernels, lowest first (tandem/engine/native.py); "amx"
+# has no kernels of its own and caps like avx512bf16.
+NATIVE_ISA_LEVELS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
+
+
+def native_isa_cap() -> str | None:
+    """The highest level the native kernels may use (`$TANDEM_NATIVE_ISA`), None for the CPU's
+    own: so that the AVX2 kernels run, and are tested, on an AVX-512 machine too."""
+    cap = os.environ.get("TANDEM_NATIVE_ISA") or None
+    if cap is not None and cap not in NATIVE_ISA_LEVELS:
+        raise ValueError(
+            f"TANDEM_NATIVE_ISA must be one of {'|'.join(NATIVE_ISA_LEVELS)}, got {cap!r}"
+        )
+    return cap
+
+
 def tandem_home() -> Path:
     """Where Tandem keeps downloaded models and caches (`$TANDEM_HOME`, default ~/.cache/tandem)."""
     return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem").expanduser()

@@ -1,30 +1,78 @@
-// Python bindings of the `tandem_native` extension (tandem/engine/native.py).
+// Python bindings of the `tandem_native` extension (tandem/engine/native.py): the functions
+// that need no vector instructions at the top, and one submodule per instruction-set level with
+// the compute kernels built for it (`ext.avx2.row_gemm`, ...).
 
 #include "native.h"
 
 #include <torch/extension.h>
 
+#include <string>
+
+namespace py = pybind11;
+
+namespace {
+
+// The compute functions bound to one level's kernels.
+void bind_level(py::module_& parent, const isa::Kernels* k) {
+  py::module_ m = parent.def_submodule(k->name, "the kernels compiled for this level");
+  m.def(
+      "paged_attention",
+      [k](torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+          torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor query_starts,
+          int64_t head_dim, double scale) {
+        return paged_attention(*k, q, key_cache, value_cache, block_tables, context_lens,
+                               query_starts, head_dim, scale);
+      },
+      "short-query attention over a paged KV cache (output in the queries' dtype)");
+  m.def(
+      "rms_norm",
+      [k](torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+          torch::ScalarType dtype) { return rms_norm(*k, x, delta, weight, eps, dtype); },
+      "RMSNorm of x's rows (x += delta first, in place, when given)", py::arg("x"),
+      py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("dtype"));
+  m.def(
+      "silu_mul", [k](torch::Tensor gate_up) { return silu_mul(*k, gate_up); },
+      "silu(gate) * up of [gate | up] rows");
+  m.def(
+      "rotary",
+      [k](torch::Tensor q, torch::Tensor key, torch::Tensor cos, torch::Tensor sin,
+          int64_t head_dim) { rotary(*k, q, key, cos, sin, head_dim); },
+      "RoPE of q's and k's heads in place (rotate-half convention)");
+  m.def(
+      "quant_gemm",
+      [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_mins, int64_t group_size) {
+        return quant_gemm(*k, x, tiles, scales_mins, group_size);
+      },
+      "int4 / int8 weight tiles times bfloat16 rows");
+  m.def(
+      "row_gemm",
+      [k](torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+        return row_gemm(*k, x, weight, bias);
+      },
+      "x @ weight.T + bias for a few float32 / bfloat16 rows, each row on its own",
+      py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  // the level-independent ones too, so that a level's module is all a caller needs
+  m.attr("copy_rows") = parent.attr("copy_rows");
+  m.attr("scatter_rows") = parent.attr("scatter_rows");
+  m.attr("level") = k->name;
+}
+
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention,
-        "short-query attention over a paged KV cache (output in the queries' dtype)");
   m.def("copy_rows", &copy_rows,
         "dst[dst_rows] = src[src_rows] over whole rows of bytes (None: the rows in order), "
         "consecutive rows as one copy; stream: non-temporal stores",
-        pybind11::arg("dst"), pybind11::arg("dst_rows"), pybind11::arg("src"),
-        pybind11::arg("src_rows"), pybind11::arg("row_bytes"), pybind11::arg("stream") = false);
-  m.def("rms_norm", &rms_norm, "RMSNorm of x's rows (x += delta first, in place, when given)",
-        pybind11::arg("x"), pybind11::arg("delta"), pybind11::arg("weight"), pybind11::arg("eps"),
-        pybind11::arg("dtype"));
-  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
-  m.def("rotary", &rotary, "RoPE of q's and k's heads in place (rotate-half convention)");
-  m.def("quant_gemm_supported", &quant_gemm_supported,
-        "whether quant_gemm was built (a CPU with AVX-512 BF16)");
-  m.def("quant_gemm", &quant_gemm, "int4 / int8 weight tiles times bfloat16 rows");
-  m.def("row_gemm_supported", &row_gemm_supported,
-        "whether row_gemm was built for the CPU it was measured on (AVX-512)");
-  m.def("row_gemm", &row_gemm,
-        "x @ weight.T + bias for a few float32 / bfloat16 rows, weights read once per 8 rows",
-        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none(),
-        pybind11::call_guard<pybind11::gil_scoped_release>());
+        py::arg("dst"), py::arg("dst_rows"), py::arg("src"), py::arg("src_rows"),
+        py::arg("row_bytes"), py::arg("stream") = false);
   m.def("scatter_rows", &scatter_rows, "dst[index[i]] = src[i] over whole rows");
+  py::list levels;
+  std::string cpu;
+  for (const isa::Kernels* k : isa::built()) {
+    bind_level(m, k);
+    levels.append(k->name);
+    if (k->level <= isa::cpu_level()) cpu = k->name;
+  }
+  m.attr("levels") = levels;  // built here, lowest first
+  m.attr("cpu_level") = cpu;  // the highest of them this CPU runs
 }

@@ -1,40 +1,18 @@
-// The elementwise work of a decoder layer, one pass each, on CPU (tandem/engine/layer_ops.py).
-//
-// In a small-batch decode step these ops touch a few KB each, so their cost is the number of
-// tensor ops, not bytes: torch runs an RMSNorm as ~6 ops (cast, pow, mean, add, rsqrt, mul),
-// RoPE as ~10, SiLU-and-multiply as 3, a residual add as 1, each a dispatch and a new tensor.
-// Here each is one call that reads its inputs once, computes in float32 and rounds once to the
-// output dtype. Rows are split over threads when there are enough of them to pay for it.
+// The elementwise work of a decoder layer (tandem/engine/layer_ops.py): the checks and output
+// tensors around the level's kernels (kernels/layer_ops.h says what they compute), and the KV
+// slot scatter, a row of memcpy each.
 
 #include "native.h"
-#include "simd.h"
 
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
-
-#include <cmath>
+#include <algorithm>
 #include <cstring>
 
 namespace {
 
-constexpr int64_t kGrain = 16;  // rows per thread task: decode steps stay on one thread
-
 bool is_float(torch::ScalarType t) {
   return t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kFloat16;
-}
-
-// Calls f with a null pointer of the C++ type of `t` (float32, bfloat16 or float16).
-template <typename F>
-void dispatch(torch::ScalarType t, F&& f) {
-  switch (t) {
-    case torch::kFloat32: return f(static_cast<float*>(nullptr));
-    case torch::kBFloat16: return f(static_cast<c10::BFloat16*>(nullptr));
-    case torch::kFloat16: return f(static_cast<c10::Half*>(nullptr));
-    default: TORCH_CHECK(false, "unsupported dtype ", t, ": float32, bfloat16 or float16");
-  }
 }
 
 // A 2-D view [rows, cols] of t: contiguous within a row, rows at any stride.
@@ -43,33 +21,15 @@ void check_rows(const torch::Tensor& t, const char* name) {
               name, ": a 2-D float32 / bfloat16 / float16 CPU tensor, unit stride within a row");
 }
 
-template <typename T>
-const T* row_of(const torch::Tensor& t, int64_t r) {
-  return reinterpret_cast<const T*>(t.data_ptr()) + r * t.stride(0);
-}
-
-template <typename T>
-T* mutable_row_of(const torch::Tensor& t, int64_t r) {
-  return reinterpret_cast<T*>(t.data_ptr()) + r * t.stride(0);
-}
-
-// sum of squares of x[0, n), as float32 lanes
-float sum_squares(const float* x, int64_t n) {
-  simd::Vec lanes = {};
-  int64_t e = 0;
-  for (; e + simd::kWidth <= n; e += simd::kWidth) {
-    const simd::Vec v = simd::load(x + e);
-    lanes += v * v;
-  }
-  float tail = 0.0f;
-  for (; e < n; ++e) tail += x[e] * x[e];
-  return simd::sum(lanes) + tail;
+isa::Rows rows_of(const torch::Tensor& t) {
+  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.scalar_type()};
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor weight,
-                       double eps, torch::ScalarType dtype) {
+torch::Tensor rms_norm(const isa::Kernels& kernels, torch::Tensor x,
+                       std::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+                       torch::ScalarType dtype) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), cols = x.size(1);
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == cols && weight.is_contiguous() &&
@@ -84,107 +44,34 @@ torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torc
   }
   TORCH_CHECK(is_float(dtype), "dtype: float32, bfloat16 or float16");
   auto out = torch::empty({rows, cols}, x.options().dtype(dtype));
-  const float* w = weight.data_ptr<float>();
-  dispatch(x.scalar_type(), [&](auto* xt) {
-    using X = std::remove_pointer_t<decltype(xt)>;
-    dispatch(delta ? delta->scalar_type() : torch::kFloat32, [&](auto* dt) {
-      using D = std::remove_pointer_t<decltype(dt)>;
-      dispatch(dtype, [&](auto* ot) {
-        using O = std::remove_pointer_t<decltype(ot)>;
-        at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-          std::vector<float> buf(cols);
-          for (int64_t r = begin; r < end; ++r) {
-            float* v = buf.data();
-            if constexpr (std::is_same_v<X, float>) {
-              float* xr = mutable_row_of<float>(x, r);
-              if (delta) {  // the residual stream takes the update in place, in float32
-                const D* d = row_of<D>(*delta, r);
-                for (int64_t e = 0; e < cols; ++e) xr[e] += static_cast<float>(d[e]);
-              }
-              v = xr;
-            } else {
-              const X* xr = row_of<X>(x, r);
-              for (int64_t e = 0; e < cols; ++e) v[e] = static_cast<float>(xr[e]);
-            }
-            const float inv = 1.0f / std::sqrt(sum_squares(v, cols) / cols + static_cast<float>(eps));
-            O* o = out.data_ptr<O>() + r * cols;
-            for (int64_t e = 0; e < cols; ++e) o[e] = static_cast<O>(v[e] * inv * w[e]);
-          }
-        });
-      });
-    });
-  });
+  const isa::Rows none{nullptr, 0, 0, 0, torch::kFloat32};
+  kernels.rms_norm(rows_of(x), delta ? rows_of(*delta) : none, weight.data_ptr<float>(),
+                   static_cast<float>(eps), rows_of(out));
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+torch::Tensor silu_mul(const isa::Kernels& kernels, torch::Tensor gate_up) {
   check_rows(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), half = gate_up.size(1) / 2;
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up: [rows, 2 * intermediate]");
-  auto out = torch::empty({rows, half}, gate_up.options());
-  dispatch(gate_up.scalar_type(), [&](auto* tt) {
-    using T = std::remove_pointer_t<decltype(tt)>;
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-      std::vector<float> g(half);
-      for (int64_t r = begin; r < end; ++r) {
-        const T* in = row_of<T>(gate_up, r);
-        T* o = out.data_ptr<T>() + r * half;
-        for (int64_t e = 0; e < half; ++e) g[e] = static_cast<float>(in[e]);
-        int64_t e = 0;
-        for (; e + simd::kWidth <= half; e += simd::kWidth) {  // silu(x) = x / (1 + e^-x)
-          const simd::Vec x = simd::load(&g[e]);
-          simd::store(&g[e], x / (1.0f + simd::exp(-x)));
-        }
-        for (; e < half; ++e) g[e] = g[e] / (1.0f + std::exp(-g[e]));
-        for (e = 0; e < half; ++e) o[e] = static_cast<T>(g[e] * static_cast<float>(in[half + e]));
-      }
-    });
-  });
+  auto out = torch::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  kernels.silu_mul(rows_of(gate_up), rows_of(out));
   return out;
 }
 
-void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
-            int64_t head_dim) {
+void rotary(const isa::Kernels& kernels, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+            torch::Tensor sin, int64_t head_dim) {
   check_rows(q, "q");
   check_rows(k, "k");
   check_rows(cos, "cos");
   check_rows(sin, "sin");
-  const int64_t rows = q.size(0), half = head_dim / 2;
+  const int64_t rows = q.size(0);
   TORCH_CHECK(head_dim % 2 == 0 && q.size(1) % head_dim == 0 && k.size(1) % head_dim == 0 &&
                   k.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows &&
                   cos.size(1) == head_dim && sin.size(1) == head_dim,
               "q [n, heads * head_dim], k [n, kv_heads * head_dim], cos and sin [n, head_dim]");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == sin.scalar_type(),
               "q and k of one dtype, cos and sin of one dtype");
-  dispatch(q.scalar_type(), [&](auto* tt) {
-    using T = std::remove_pointer_t<decltype(tt)>;
-    dispatch(cos.scalar_type(), [&](auto* ct) {
-      using C = std::remove_pointer_t<decltype(ct)>;
-      at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
-        std::vector<float> c(head_dim), s(head_dim);
-        for (int64_t r = begin; r < end; ++r) {
-          const C* cr = row_of<C>(cos, r);
-          const C* sr = row_of<C>(sin, r);
-          for (int64_t e = 0; e < head_dim; ++e) {
-            c[e] = static_cast<float>(cr[e]);
-            s[e] = static_cast<float>(sr[e]);
-          }
-          // x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half])
-          for (const torch::Tensor* t : {&q, &k}) {
-            T* row = mutable_row_of<T>(*t, r);
-            for (int64_t h = 0; h < t->size(1) / head_dim; ++h) {
-              T* x = row + h * head_dim;
-              for (int64_t e = 0; e < half; ++e) {
-                const float a = static_cast<float>(x[e]), b = static_cast<float>(x[e + half]);
-                x[e] = static_cast<T>(a * c[e] - b * s[e]);
-                x[e + half] = static_cast<T>(b * c[e + half] + a * s[e + half]);
-              }
-            }
-          }
-        }
-      });
-    });
-  });
+  kernels.rotary(rows_of(q), rows_of(k), rows_of(cos), rows_of(sin), head_dim);
 }
 
 void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src) {

@@ -1,6 +1,9 @@
-// The functions of the `tandem_native` extension (tandem/engine/native.py); bindings.cpp binds them.
+// The functions of the `tandem_native` extension (tandem/engine/native.py); bindings.cpp binds
+// them, the compute ones once per instruction-set level (`kernels`: the level's table, isa.h).
 
 #pragma once
+
+#include "isa.h"
 
 #include <pybind11/numpy.h>
 #include <torch/extension.h>
@@ -8,8 +11,9 @@
 #include <cstdint>
 #include <optional>
 
-// Short-query attention over a paged KV cache (paged_attention.cpp).
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+// Short-query attention over a paged KV cache (kernels/attention.h).
+torch::Tensor paged_attention(const isa::Kernels& kernels, torch::Tensor q,
+                              torch::Tensor key_cache, torch::Tensor value_cache,
                               torch::Tensor block_tables, torch::Tensor context_lens,
                               torch::Tensor query_starts, int64_t head_dim, double scale);
 
@@ -21,27 +25,27 @@ void copy_rows(pybind11::buffer dst, std::optional<RowIndex> dst_rows,
                pybind11::buffer src, std::optional<RowIndex> src_rows,
                int64_t row_bytes, bool stream);
 
-// The elementwise work of a decoder layer (layer_ops.cpp): 2-D float32 / bfloat16 / float16
-// tensors, rows at any stride.
+// The elementwise work of a decoder layer (layer_ops.cpp, kernels/layer_ops.h): 2-D float32 /
+// bfloat16 / float16 tensors, rows at any stride.
 // RMSNorm of x's rows into a new tensor of `dtype`; with `delta`, x (float32) += delta first.
-torch::Tensor rms_norm(torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor weight,
-                       double eps, torch::ScalarType dtype);
+torch::Tensor rms_norm(const isa::Kernels& kernels, torch::Tensor x,
+                       std::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
+                       torch::ScalarType dtype);
 // silu(gate) * up for gate_up = [gate | up] along the columns.
-torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor silu_mul(const isa::Kernels& kernels, torch::Tensor gate_up);
 // RoPE (rotate-half convention) of q's and k's heads in place, cos / sin [rows, head_dim].
-void rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin,
-            int64_t head_dim);
+void rotary(const isa::Kernels& kernels, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
+            torch::Tensor sin, int64_t head_dim);
 // dst[index[i]] = src[i] over whole rows (KV slots), same element size.
 void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src);
 
 // int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16
-// [rows, out] (quant_gemm.cpp); only where quant_gemm_supported() (AVX-512 BF16).
-bool quant_gemm_supported();
-torch::Tensor quant_gemm(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_mins,
-                         int64_t group_size);
+// [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).
+torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor tiles,
+                         torch::Tensor scales_mins, int64_t group_size);
 
 // x [rows, in] times weights [out, in] (nn.Linear's layout), plus bias, -> [rows, out], float32 or
-// bfloat16 throughout, reading the weights once per 8 rows (row_gemm.cpp); measured and routed
-// to only where row_gemm_supported() (AVX-512).
-bool row_gemm_supported();
-torch::Tensor row_gemm(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias);
+// bfloat16 throughout, a row's result independent of the other rows (row_gemm.cpp,
+// kernels/row_gemm.h).
+torch::Tensor row_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor weight,
+                       std::optional<torch::Tensor> bias);

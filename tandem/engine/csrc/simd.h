@@ -1,8 +1,11 @@
 // Sixteen float32 lanes through GCC / Clang vector extensions, for the CPU kernels.
 //
-// The compiler maps a `Vec` to one AVX-512 register, two AVX2 ones or four NEON ones, so the
-// kernels are written once, without intrinsics, and built with -march=native. Loads and stores
-// go through memcpy (unaligned moves); arithmetic between a Vec and a float broadcasts it.
+// The compiler maps a `Vec` to one AVX-512 register, two AVX2 ones, four SSE or NEON ones, so the
+// kernels are written once, without intrinsics, and compiled once per instruction-set level
+// (isa.h). Loads and stores go through memcpy (unaligned moves); arithmetic between a Vec and a
+// float broadcasts it.
+//
+// Included once per level, inside its namespace (isa_kernels.h), after the headers below.
 
 #pragma once
 
@@ -38,6 +41,19 @@ inline Vec load(const uint16_t* p) {
   Bits bits;
   std::memcpy(&bits, p, sizeof bits);
   return (Vec)(__builtin_convertvector(bits, IVec) << 16);
+}
+
+// kWidth floats as bfloat16 bits, rounded to nearest even (NaN: the quiet NaN), as c10's
+// float -> bfloat16 conversion rounds.
+inline void store_bf16(uint16_t* p, const float* src) {
+  typedef uint32_t UVec __attribute__((vector_size(kWidth * sizeof(uint32_t))));
+  typedef uint16_t Bits __attribute__((vector_size(kWidth * sizeof(uint16_t))));
+  UVec u;
+  std::memcpy(&u, src, sizeof u);
+  const UVec rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
+  const UVec nan = (UVec)((u & 0x7FFFFFFF) > 0x7F800000);  // all ones in a NaN's lane
+  const Bits bits = __builtin_convertvector((nan & 0x7FC0) | (~nan & rounded), Bits);
+  std::memcpy(p, &bits, sizeof bits);
 }
 
 // The sum of the lanes, folded in halves (a tree, not a chain of 15 dependent adds).

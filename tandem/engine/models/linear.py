@@ -47,9 +47,9 @@ RowKernel = Callable[[torch.Tensor], torch.Tensor]
 
 @functools.cache
 def _row_gemm() -> Callable[..., torch.Tensor] | None:
-    """The native kernel where it was built for a CPU like the one it was measured on."""
+    """The native kernel of the level in use, where the library built."""
     ext = native.extension()
-    return ext.row_gemm if ext is not None and ext.row_gemm_supported() else None
+    return ext.row_gemm if ext is not None else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
