@@ -4,8 +4,8 @@
 #define TANDEM_ISA_NAME "avx2"
 #define TANDEM_ISA_LEVEL Level::kAvx2
 #define TANDEM_TARGET "avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt,movbe"
-#define TANDEM_VEC_REGISTERS 8
-#define TANDEM_VEC_IS_ONE_REGISTER 0
+#define TANDEM_VEC_WIDTH 8
+#define TANDEM_VEC_REGISTERS 16
 #define TANDEM_BF16_DOTS 0
 #include "isa_kernels.h"
 #endif

@@ -2,11 +2,11 @@
 #define TANDEM_ISA generic
 #define TANDEM_ISA_NAME "generic"
 #define TANDEM_ISA_LEVEL Level::kGeneric
-#if defined(__x86_64__) || defined(__i386__)
-#define TANDEM_VEC_REGISTERS 4
+#define TANDEM_VEC_WIDTH 4
+#if defined(__aarch64__)
+#define TANDEM_VEC_REGISTERS 32
 #else
-#define TANDEM_VEC_REGISTERS 8
+#define TANDEM_VEC_REGISTERS 16
 #endif
-#define TANDEM_VEC_IS_ONE_REGISTER 0
 #define TANDEM_BF16_DOTS 0
 #include "isa_kernels.h"

@@ -1,10 +1,11 @@
 // The body of one instruction-set level's translation unit (isa_<level>.cpp): every kernel of
 // `kernels/`, compiled for the level and kept in its own namespace, and the level's table.
 //
-// The includer defines TANDEM_ISA (the namespace), TANDEM_ISA_LEVEL, TANDEM_TARGET (the
-// compiler's target string, or none: the build's baseline), TANDEM_VEC_REGISTERS (simd::Vec
-// values the registers hold: 32 AVX-512, 8 AVX2 or NEON, 4 SSE), TANDEM_VEC_IS_ONE_REGISTER and
-// TANDEM_BF16_DOTS (AVX-512 BF16's `vdpbf16ps`).
+// The includer defines TANDEM_ISA (the namespace), TANDEM_ISA_NAME, TANDEM_ISA_LEVEL,
+// TANDEM_TARGET (the compiler's target string, or none: the build's baseline), TANDEM_VEC_WIDTH
+// (float32 lanes of a vector register: 16 AVX-512, 8 AVX2, 4 SSE or NEON), TANDEM_VEC_REGISTERS
+// (how many: 32 AVX-512 and NEON, 16 AVX2 and SSE) and TANDEM_BF16_DOTS (AVX-512 BF16's
+// `vdpbf16ps`).
 //
 // Every header the kernels need is included here, before the target is switched on: the library
 // and torch code they call is compiled for the baseline, which any level may call and inline.

@@ -1,9 +1,11 @@
-// Sixteen float32 lanes through GCC / Clang vector extensions, for the CPU kernels.
+// One register of float32 lanes through GCC / Clang vector extensions, for the CPU kernels.
 //
-// The compiler maps a `Vec` to one AVX-512 register, two AVX2 ones, four SSE or NEON ones, so the
-// kernels are written once, without intrinsics, and compiled once per instruction-set level
-// (isa.h). Loads and stores go through memcpy (unaligned moves); arithmetic between a Vec and a
-// float broadcasts it.
+// A `Vec` is as wide as the level's registers (TANDEM_VEC_WIDTH floats: 16 on AVX-512, 8 on
+// AVX2, 4 on SSE and NEON), so the kernels are written once, without intrinsics, in units of
+// kWidth, and compiled once per instruction-set level (isa.h). (A 16-lane Vec on AVX2, two ymm
+// each, made GCC 12 move every value through the stack: the AVX2 kernels ran 5-20x slower than
+// the AVX-512 ones.) Loads and stores go through memcpy (unaligned moves); arithmetic between a
+// Vec and a float broadcasts it.
 //
 // Included once per level, inside its namespace (isa_kernels.h), after the headers below.
 
@@ -14,7 +16,8 @@
 
 namespace simd {
 
-constexpr int kWidth = 16;
+constexpr int kWidth = TANDEM_VEC_WIDTH;
+static_assert(kWidth == 4 || kWidth == 8 || kWidth == 16, "a register of 4, 8 or 16 floats");
 
 typedef float Vec __attribute__((vector_size(kWidth * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(kWidth * sizeof(int32_t))));
@@ -43,6 +46,34 @@ inline Vec load(const uint16_t* p) {
   return (Vec)(__builtin_convertvector(bits, IVec) << 16);
 }
 
+// kWidth bytes zero-extended to int32 lanes. (GCC 12 takes __builtin_convertvector from a vector
+// of 8 or 16 bytes apart byte by byte on x86; the extension instructions take one step.)
+inline IVec widen_bytes(const uint8_t* p) {
+#if TANDEM_VEC_WIDTH == 16 && defined(__x86_64__)
+  return (IVec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif TANDEM_VEC_WIDTH == 8 && defined(__x86_64__)
+  return (IVec)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__x86_64__)  // SSE2
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  const __m128i zero = _mm_setzero_si128();
+  return (IVec)_mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(four), zero), zero);
+#else
+  typedef uint8_t Bytes __attribute__((vector_size(kWidth)));
+  Bytes bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  return __builtin_convertvector(bytes, IVec);
+#endif
+}
+
+// kWidth int16 sign-extended to int32 lanes.
+inline IVec widen_words(const int16_t* p) {
+  typedef int16_t Words __attribute__((vector_size(kWidth * sizeof(int16_t))));
+  Words words;
+  std::memcpy(&words, p, sizeof words);
+  return __builtin_convertvector(words, IVec);
+}
+
 // kWidth floats as bfloat16 bits, rounded to nearest even (NaN: the quiet NaN), as c10's
 // float -> bfloat16 conversion rounds.
 inline void store_bf16(uint16_t* p, const float* src) {
@@ -56,22 +87,29 @@ inline void store_bf16(uint16_t* p, const float* src) {
   std::memcpy(p, &bits, sizeof bits);
 }
 
-// The sum of the lanes, folded in halves (a tree, not a chain of 15 dependent adds).
+// The sum of the lanes, folded in halves (a tree, not a chain of dependent adds).
 inline float sum(Vec v) {
-#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector: clang, GCC 12 on
-  typedef float Half __attribute__((vector_size(sizeof(Vec) / 2)));
-  typedef float Quarter __attribute__((vector_size(sizeof(Vec) / 4)));
+#if !defined(__clang__) && __GNUC__ < 12  // no __builtin_shufflevector: the same tree, by lanes
+  float lanes[kWidth];
+  std::memcpy(lanes, &v, sizeof lanes);
+  for (int width = kWidth / 2; width > 1; width /= 2)
+    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+  return lanes[0] + lanes[1];
+#else
+  typedef float Quarter __attribute__((vector_size(4 * sizeof(float))));
+#if TANDEM_VEC_WIDTH == 16
+  typedef float Half __attribute__((vector_size(8 * sizeof(float))));
   const Half h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const Quarter q = __builtin_shufflevector(h, h, 0, 1, 2, 3) +
                     __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
+#elif TANDEM_VEC_WIDTH == 8
+  const Quarter q = __builtin_shufflevector(v, v, 0, 1, 2, 3) +
+                    __builtin_shufflevector(v, v, 4, 5, 6, 7);
 #else
-  float lanes[kWidth];
-  std::memcpy(lanes, &v, sizeof lanes);
-  for (int width = kWidth / 2; width > 0; width /= 2)
-    for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
-  return lanes[0];
+  const Quarter q = v;
+#endif
+  return (q[0] + q[2]) + (q[1] + q[3]);
 #endif
 }
 
@@ -86,8 +124,19 @@ inline float max(Vec v) {
 
 // Lanes i of the register at element `start` whose element start + i is below `end`.
 inline IVec visible(int64_t start, int64_t end) {
-  const IVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  IVec lane;
+  for (int i = 0; i < kWidth; ++i) lane[i] = i;
   return lane < static_cast<int32_t>(end - start);
+}
+
+// Keeps v in a register over the code that follows (GCC would otherwise reload it from memory
+// at each use).
+inline void keep_in_register(Vec& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
 }
 
 // e^x lane by lane: e^x = 2^n e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2], e^r by

@@ -18,10 +18,11 @@
 // Two ways through a tile, by level:
 // - AVX-512 BF16: a pair decodes to 32 bfloat16, the operand `vdpbf16ps` multiplies with a row's
 //   two inputs broadcast to every lane; chunks of 16 rows (16 accumulators of 32 registers).
-// - Elsewhere: a pair decodes to two Vecs of float32 codes (inputs 2p and 2p + 1 of the 16
-//   channels), multiplied with the row's inputs widened to float32; a chunk holds as many rows
-//   as the level's registers leave room for beside the two decoded Vecs and a broadcast input
-//   (AVX-512: 16; AVX2's 16 ymm: 4, each Vec two ymm; SSE: 1).
+// - Elsewhere: a pair decodes to float32 codes (inputs 2p and 2p + 1 of the 16 channels, in
+//   registers of the level's width), multiplied with the row's inputs widened to float32
+//   (exactly: the same products, summed in another order); a chunk holds as many rows
+//   as the level's registers leave room for beside the decoded pair and two broadcast inputs
+//   (AVX-512: 16; AVX2, 16 ymm, two a tile: 4; SSE: 1).
 //
 // Included once per instruction-set level, inside its namespace (isa_kernels.h): no includes.
 
@@ -113,33 +114,40 @@ void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const f
 
 #else
 
-// Rows per decoded tile: the largest power of two whose accumulators (one Vec a row) fit beside
-// the two decoded Vecs and a broadcast input.
-constexpr int64_t kChunk = TANDEM_VEC_REGISTERS >= 19 ? 16 : TANDEM_VEC_REGISTERS >= 7 ? 4 : 1;
+constexpr int kVecs = kTile / simd::kWidth;  // Vecs of a tile's 16 channels
+// Rows per decoded tile: the largest power of two (16 at most) whose accumulators fit beside the
+// decoded pair and two broadcast inputs.
+constexpr int64_t rows_that_fit(int64_t budget) {
+  int64_t rows = 16;
+  while (rows > 1 && rows * kVecs > budget) rows /= 2;
+  return rows;
+}
+constexpr int64_t kChunk = rows_that_fit(TANDEM_VEC_REGISTERS - 2 * kVecs - 2);
 
 // A tile's pair p of int4 codes as float32: the channels' weights of input 2p, of 2p + 1.
 struct Int4Pairs {
   static constexpr int64_t kBytes = kTile;
-  static void decode(const uint8_t* pair, simd::Vec& even, simd::Vec& odd) {
-    typedef uint8_t Bytes __attribute__((vector_size(kTile)));
-    Bytes bytes;
-    std::memcpy(&bytes, pair, sizeof bytes);
-    const simd::IVec codes = __builtin_convertvector(bytes, simd::IVec);
-    even = __builtin_convertvector(codes & 0x0F, simd::Vec);
-    odd = __builtin_convertvector(codes >> 4, simd::Vec);
+  static void decode(const uint8_t* pair, simd::Vec (&even)[kVecs], simd::Vec (&odd)[kVecs]) {
+    for (int v = 0; v < kVecs; ++v) {
+      const simd::IVec codes = simd::widen_bytes(pair + v * simd::kWidth);
+      even[v] = __builtin_convertvector(codes & 0x0F, simd::Vec);
+      odd[v] = __builtin_convertvector(codes >> 4, simd::Vec);
+    }
   }
 };
 
 // A tile's pair p of int8 codes as float32: lane i's two bytes are its inputs 2p and 2p + 1.
 struct Int8Pairs {
   static constexpr int64_t kBytes = 2 * kTile;
-  static void decode(const uint8_t* pair, simd::Vec& even, simd::Vec& odd) {
-    typedef int16_t Words __attribute__((vector_size(2 * kTile)));
-    Words words;  // lane i: byte 2i in the low half, byte 2i + 1 in the high half
-    std::memcpy(&words, pair, sizeof words);
-    const simd::IVec both = __builtin_convertvector(words, simd::IVec);
-    even = __builtin_convertvector((both << 24) >> 24, simd::Vec);  // sign-extended low byte
-    odd = __builtin_convertvector(both >> 8, simd::Vec);
+  static void decode(const uint8_t* pair, simd::Vec (&even)[kVecs], simd::Vec (&odd)[kVecs]) {
+    for (int v = 0; v < kVecs; ++v) {
+      // lane i: byte 2i in the low half, byte 2i + 1 in the high half
+      int16_t words[simd::kWidth];
+      std::memcpy(words, pair + v * 2 * simd::kWidth, sizeof words);
+      const simd::IVec both = simd::widen_words(words);
+      even[v] = __builtin_convertvector((both << 24) >> 24, simd::Vec);  // the low byte, signed
+      odd[v] = __builtin_convertvector(both >> 8, simd::Vec);
+    }
   }
 };
 
@@ -158,28 +166,36 @@ void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const f
                int64_t m0, int64_t pairs, int64_t group_pairs, float* y) {
   const float* row[MT];
   for (int m = 0; m < MT; ++m) row[m] = x.x.data() + (m0 + m) * x.in;
-  simd::Vec out[MT];
-  for (int m = 0; m < MT; ++m) out[m] = simd::Vec{};
+  simd::Vec out[MT][kVecs];
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < kVecs; ++v) out[m][v] = simd::Vec{};
   const int64_t groups = pairs / group_pairs;
   for (int64_t g = 0; g < groups; ++g) {
-    simd::Vec acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = simd::Vec{};
+    simd::Vec acc[MT][kVecs];
+    for (int m = 0; m < MT; ++m)
+      for (int v = 0; v < kVecs; ++v) acc[m][v] = simd::Vec{};
     for (int64_t p = g * group_pairs; p < (g + 1) * group_pairs; ++p) {
-      simd::Vec even, odd;
+      simd::Vec even[kVecs], odd[kVecs];
       Pairs::decode(tile + p * Pairs::kBytes, even, odd);
       for (int m = 0; m < MT; ++m) {  // the odd product first, as `vdpbf16ps` adds them
-        acc[m] += odd * row[m][2 * p + 1];
-        acc[m] += even * row[m][2 * p];
+        const float x_odd = row[m][2 * p + 1], x_even = row[m][2 * p];
+        for (int v = 0; v < kVecs; ++v) {
+          acc[m][v] += odd[v] * x_odd;
+          acc[m][v] += even[v] * x_even;
+        }
       }
     }
-    const simd::Vec scale = simd::load(sm + g * 2 * kTile);
-    const simd::Vec min = simd::load(sm + g * 2 * kTile + kTile);
-    for (int m = 0; m < MT; ++m) {
-      out[m] += acc[m] * scale;
-      out[m] += xs[(m0 + m) * groups + g] * min;
+    for (int v = 0; v < kVecs; ++v) {
+      const simd::Vec scale = simd::load(sm + g * 2 * kTile + v * simd::kWidth);
+      const simd::Vec min = simd::load(sm + g * 2 * kTile + kTile + v * simd::kWidth);
+      for (int m = 0; m < MT; ++m) {
+        out[m][v] += acc[m][v] * scale;
+        out[m][v] += xs[(m0 + m) * groups + g] * min;
+      }
     }
   }
-  for (int m = 0; m < MT; ++m) simd::store(y + m * kTile, out[m]);
+  for (int m = 0; m < MT; ++m)
+    for (int v = 0; v < kVecs; ++v) simd::store(y + m * kTile + v * simd::kWidth, out[m][v]);
 }
 
 #endif
@@ -212,7 +228,9 @@ void multiply(const QuantGemmArgs& a) {
         for (; m0 + mt <= a.rows; m0 += mt) {
           kKernels[i](x, xs.data(), tile, tile_sm, m0, pairs, a.group_size / 2, result);
           for (int64_t m = 0; m < mt; ++m)
-            simd::store_bf16(a.y + (m0 + m) * out_features + t * kTile, result + m * kTile);
+            for (int64_t i = 0; i < kTile; i += simd::kWidth)
+              simd::store_bf16(a.y + (m0 + m) * out_features + t * kTile + i,
+                               result + m * kTile + i);
         }
       }
     }

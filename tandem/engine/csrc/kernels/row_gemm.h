@@ -8,9 +8,8 @@
 // multiplied with every input row while it sits in registers: a block of NT output channels x MT
 // rows keeps NT * MT accumulators, walks the inputs a register at a time, and folds each
 // accumulator once at the end. The block's shape follows the level's registers
-// (TANDEM_VEC_REGISTERS: 32 on AVX-512, 8 on AVX2's 16 ymm, each Vec two of them): NT * MT
-// accumulators, the MT inputs and one weight register fit, or the inputs are read from L1 at each
-// use rather than spilled. bfloat16 weights and rows are multiplied in pairs and summed in
+// (TANDEM_VEC_REGISTERS: 32 zmm on AVX-512, 16 ymm on AVX2): NT * MT accumulators, the MT inputs
+// and one weight register fit, or the inputs are read from L1 at each use rather than spilled. bfloat16 weights and rows are multiplied in pairs and summed in
 // float32 by `vdpbf16ps` where the CPU has AVX-512 BF16; elsewhere the rows are widened to
 // float32 once per call and the weights as they are read. Each result is rounded once.
 //
@@ -66,9 +65,7 @@ void block(const float* x, int64_t in, const W* weight, float* y, int64_t out, i
     if constexpr (kInputsInRegisters) {
       for (int m = 0; m < MT; ++m) {
         xv[m] = simd::load(x + m * in + k);
-#if TANDEM_VEC_IS_ONE_REGISTER  // keep the inputs there, not reloaded per weight row
-        asm("" : "+v"(xv[m]));
-#endif
+        simd::keep_in_register(xv[m]);  // not reloaded per weight row
       }
     }
     for (int j = 0; j < NT; ++j) {
