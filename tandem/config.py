@@ -19,6 +19,19 @@ KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # int4 group sizes torch's int4 kernels take.
 QUANT_METHODS = ("int8", "int4")
 QUANT_GROUP_SIZES = (32, 64, 128, 256)
+# How the CPU products of linear layers pick their kernels (tandem/engine/routes.py): a policy,
+# or one route forced wherever a layer has it.
+KERNEL_ROUTE_POLICIES = ("auto", "probe", "default")
+KERNEL_ROUTE_NAMES = (
+    "row_gemm",
+    "matmul",
+    "f_linear",
+    "f_linear_fp32",
+    "quant_gemm",
+    "torch_packed",
+    "dequant",
+    "dequant_fp32",
+)
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -55,6 +68,7 @@ class ModelSettings:
     quantization: str | None = None  # weights of the linear layers: "int8" | "int4" | None
     quant_group_size: int = 32  # int4: input channels per scale and zero (halved where it does
     # not divide a layer's input size: SmolLM2's 576 takes 64 for 128)
+    kernel_routes: str = "auto"  # CPU: KERNEL_ROUTE_POLICIES or a route of KERNEL_ROUTE_NAMES
 
     def __post_init__(self) -> None:
         if self.engine not in ("real", "sim"):
@@ -67,6 +81,11 @@ class ModelSettings:
             raise ValueError(
                 f"quantization must be one of {list(QUANT_METHODS)} or None, "
                 f"got {self.quantization!r}"
+            )
+        if self.kernel_routes not in KERNEL_ROUTE_POLICIES + KERNEL_ROUTE_NAMES:
+            raise ValueError(
+                f"kernel_routes must be one of {list(KERNEL_ROUTE_POLICIES)} or a route of "
+                f"{list(KERNEL_ROUTE_NAMES)}, got {self.kernel_routes!r}"
             )
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(

@@ -76,6 +76,7 @@ class EngineCore:
                 mc.torch_device,
                 mc.quantization,
                 mc.quant_group_size,
+                mc.kernel_routes,
             )
             bytes_per_block = kv_bytes_per_token(self.model.cfg, kv_dtype) * block_size
             bytes_per_block += draft_kv_bytes_per_block(

@@ -120,6 +120,14 @@ def extension(level: str | None = None) -> ModuleType | None:
     return module
 
 
+def runnable_levels() -> list[str]:
+    """The levels built here that this CPU runs, lowest first (none where the build failed)."""
+    lib = library()
+    if lib is None:
+        return []
+    return [name for name in lib.levels if LEVELS.index(name) <= LEVELS.index(lib.cpu_level)]
+
+
 @functools.cache
 def level_in_use() -> str:
     """The level this process computes with: the CPU's, capped by TANDEM_NATIVE_ISA (logged
@@ -128,7 +136,7 @@ def level_in_use() -> str:
     if lib is None:
         return "generic"
     cap = config.native_isa_cap()
-    levels = [name for name in lib.levels if LEVELS.index(name) <= LEVELS.index(lib.cpu_level)]
+    levels = runnable_levels()
     if cap is not None:
         ceiling = min(config.NATIVE_ISA_LEVELS.index(cap), len(LEVELS) - 1)
         levels = [name for name in levels if LEVELS.index(name) <= ceiling]

@@ -1,5 +1,6 @@
 """The compiled CPU attention kernel equals the SDPA path over the same paged cache, for every
-cache format, block size and query shape it takes (split contexts and causal queries included)."""
+cache format, block size and query shape it takes (split contexts and causal queries included),
+at every instruction-set level the CPU runs."""
 
 from __future__ import annotations
 
@@ -26,12 +27,15 @@ FORMATS = [
 ]
 
 
+pytestmark = pytest.mark.usefixtures("at_each_level")  # every level the CPU runs
+
+
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    module = cpu_attention.kernel()
-    assert module is not None, "the CPU kernel did not build (see the log)"
-    # imported from its own build folder, keyed by the source, torch, flags and CPU
-    assert Path(module.__file__ or "").parent == native.build_dir()
+    library = native.library()
+    assert library is not None, "the CPU kernel did not build (see the log)"
+    # imported from its own build folder, keyed by the sources, torch and flags
+    assert Path(library.__file__ or "").parent == native.build_dir()
 
 
 def _run(

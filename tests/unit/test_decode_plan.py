@@ -15,6 +15,7 @@ from tandem.engine.attention import AttentionMetadata, SeqSpec, TorchSDPABackend
 from tandem.engine.kv_quant import slot_dim
 from tandem.engine.models import decode_plan, load_model
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.quant.model import quantize_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,6 +75,7 @@ CASES = [
     (torch.bfloat16, "int4", torch.bfloat16),
     (torch.bfloat16, "int4", torch.int8),
     (torch.float32, None, torch.int8),
+    (torch.float32, "int4", torch.float32),  # routes cast to the kernels' bfloat16 and back
 ]
 
 
@@ -125,13 +127,14 @@ def test_steps_and_models_it_does_not_cover(tiny_llama_path: Path) -> None:
     with torch.inference_mode():
         assert plan.covers(decode, 1)
     assert not plan.covers(decode, 1), "autograd runs the module path"
-    # float32 activations do not go straight to the quantized kernels: no plan
-    assert decode_plan.build(_model(tiny_llama_path, torch.float32, "int4")) is None
+    # before routes are bound (routes.bind: CPU models at load), float32 activations do not go
+    # straight to the quantized kernels: no plan
+    unbound = _model(tiny_llama_path, torch.float32, None)
+    quantize_model(unbound, "int4")
+    assert decode_plan.build(unbound) is None
 
 
 def test_quantizing_a_model_drops_its_plan(tiny_llama_path: Path) -> None:
-    from tandem.engine.quant.model import quantize_model
-
     model = _model(tiny_llama_path, torch.bfloat16, None)
     ids, positions, caches, meta = _step(model, [(9, 1)], torch.bfloat16)
     with torch.inference_mode():

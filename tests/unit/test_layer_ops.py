@@ -11,19 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.engine import layer_ops, native
+from tandem.engine import layer_ops
 from tandem.engine.models import rope
+
+pytestmark = pytest.mark.usefixtures("at_each_level")
 
 # float32 agrees to the summation order; a 16-bit output to its rounding of the same float32 value
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 DTYPES = list(TOLERANCE)
-
-
-@pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    module = native.extension()
-    assert module is not None, "the native extension did not build (see the log)"
-    return module
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -37,7 +32,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 40])
 def test_rms_norm(
-    ext: ModuleType, in_dtype: torch.dtype, out_dtype: torch.dtype, rows: int
+    kernels: ModuleType, in_dtype: torch.dtype, out_dtype: torch.dtype, rows: int
 ) -> None:
     torch.manual_seed(0)
     x = (torch.randn(rows, 96) * 30).to(in_dtype)
@@ -49,7 +44,7 @@ def test_rms_norm(
 
 @pytest.mark.parametrize("delta_dtype", DTYPES)
 def test_add_rms_norm_updates_the_residual_in_place(
-    ext: ModuleType, delta_dtype: torch.dtype
+    kernels: ModuleType, delta_dtype: torch.dtype
 ) -> None:
     torch.manual_seed(1)
     x = torch.randn(5, 64) * 100
@@ -78,7 +73,7 @@ def test_autograd_keeps_the_torch_path() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 33])
-def test_silu_mul(ext: ModuleType, dtype: torch.dtype, rows: int) -> None:
+def test_silu_mul(kernels: ModuleType, dtype: torch.dtype, rows: int) -> None:
     torch.manual_seed(2)
     gate_up = (torch.randn(rows, 2 * 72) * 4).to(dtype)  # 72: a tail past the 16-lane registers
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -86,7 +81,7 @@ def test_silu_mul(ext: ModuleType, dtype: torch.dtype, rows: int) -> None:
     _close(layer_ops.silu_mul(gate_up), want, dtype)
 
 
-def test_silu_mul_at_large_magnitudes(ext: ModuleType) -> None:
+def test_silu_mul_at_large_magnitudes(kernels: ModuleType) -> None:
     """Gates far past exp's float range on both sides, in the vector body and the tail."""
     gate = torch.linspace(-300, 300, 72).repeat(3, 1)
     gate_up = torch.cat([gate, torch.ones_like(gate)], dim=-1)
@@ -94,7 +89,7 @@ def test_silu_mul_at_large_magnitudes(ext: ModuleType) -> None:
     torch.testing.assert_close(got, F.silu(gate), atol=1e-5, rtol=1e-5)
 
 
-def test_rotary_of_no_tokens(ext: ModuleType) -> None:
+def test_rotary_of_no_tokens(kernels: ModuleType) -> None:
     emb = rope.RotaryEmbedding(16, 8, 10000.0, None, torch.float32, torch.device("cpu"))
     q, k = torch.empty(0, 2, 16), torch.empty(0, 1, 16)
     got_q, got_k = rope.apply_rotary(q, k, emb(torch.empty(0, dtype=torch.int64)))
@@ -102,7 +97,7 @@ def test_rotary_of_no_tokens(ext: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_on_qkv_views(ext: ModuleType, dtype: torch.dtype) -> None:
+def test_rotary_in_place_on_qkv_views(kernels: ModuleType, dtype: torch.dtype) -> None:
     """q and k are strided views of one qkv row (as the attention layer splits it); v and the
     gaps between them stay untouched."""
     torch.manual_seed(3)
@@ -124,7 +119,7 @@ def test_rotary_in_place_on_qkv_views(ext: ModuleType, dtype: torch.dtype) -> No
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], before[:, (heads + kv_heads) * d :])
 
 
-def test_rotary_matches_the_torch_ops(ext: ModuleType) -> None:
+def test_rotary_matches_the_torch_ops(kernels: ModuleType) -> None:
     """The fused rotation and the torch fallback agree (float32) on a contiguous tensor."""
     torch.manual_seed(4)
     emb = rope.RotaryEmbedding(64, 256, 10000.0, None, torch.float32, torch.device("cpu"))
@@ -138,7 +133,7 @@ def test_rotary_matches_the_torch_ops(ext: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_scatter_rows(ext: ModuleType, dtype: torch.dtype) -> None:
+def test_scatter_rows(kernels: ModuleType, dtype: torch.dtype) -> None:
     torch.manual_seed(5)
     cache = torch.zeros(20, 2, 8).to(dtype)
     wide = torch.randn(4, 3, 2, 8).to(dtype)
@@ -149,17 +144,19 @@ def test_scatter_rows(ext: ModuleType, dtype: torch.dtype) -> None:
     assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_scatter_rows_refuses_an_index_out_of_range_and_writes_nothing(ext: ModuleType) -> None:
+def test_scatter_rows_refuses_an_index_out_of_range_and_writes_nothing(kernels: ModuleType) -> None:
     cache = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="out of range"):
         layer_ops.scatter_rows(cache, torch.tensor([1, 4]), torch.ones(2, 8))
     assert not cache.any()
 
 
-def test_bad_shapes_are_refused(ext: ModuleType) -> None:
+def test_bad_shapes_are_refused(kernels: ModuleType) -> None:
     with pytest.raises(RuntimeError, match="weight"):
-        ext.rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5, torch.float32)
+        kernels.rms_norm(torch.randn(2, 8), None, torch.ones(7), 1e-5, torch.float32)
     with pytest.raises(RuntimeError, match="gate_up"):
-        ext.silu_mul(torch.randn(2, 7))
+        kernels.silu_mul(torch.randn(2, 7))
     with pytest.raises(RuntimeError, match="cos"):
-        ext.rotary(torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4), 8)
+        kernels.rotary(
+            torch.randn(2, 8), torch.randn(2, 8), torch.randn(2, 4), torch.randn(2, 4), 8
+        )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from tandem.engine import routes
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
@@ -23,9 +24,11 @@ def load_model(
     device: torch.device,
     quantization: str | None = None,
     quant_group_size: int = 32,
+    kernel_routes: str = "auto",
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`; `quantization` ("int8" | "int4") then quantizes the
-    decoder layers' linear layers (tandem/engine/quant/)."""
+    decoder layers' linear layers (tandem/engine/quant/); on CPU its products take the routes
+    `kernel_routes` says (tandem/engine/routes.py)."""
     cfg = load_config(path)
     backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
     model = LlamaForCausalLM(cfg, backend, dtype, device)
@@ -33,4 +36,7 @@ def load_model(
     if quantization is not None:
         direct = gguf_direct_weights(path, quantization, quant_group_size)
         quantize_model(model, quantization, quant_group_size, direct)
+    if device.type == "cpu":
+        routes.bind(model.routed_products(), kernel_routes, exact=dtype == torch.bfloat16)
+        model.drop_decode_plan()
     return model.eval()

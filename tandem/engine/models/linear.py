@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine import native
+from tandem.engine import native, routes
 
 # Rows that `row_gemm` multiplies, by dtype: in float32 1-2 rows keep `weight @ x.T`.
 ROW_GEMM_ROWS = {torch.float32: range(3, 33), torch.bfloat16: range(1, 17)}
 MATMUL_MAX_ROWS = 8  # float32 rows that take `weight @ x.T` where `row_gemm` does not run
+ROUTE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}  # routes.CANDIDATES' kinds
 
 # A linear layer's product bound to its weights: [rows, in] -> [rows, out] (`row_kernel`).
 RowKernel = Callable[[torch.Tensor], torch.Tensor]
@@ -65,10 +67,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ):
         return kernel(x, weight, bias)
     if x.dtype == torch.float32 and rows <= MATMUL_MAX_ROWS:
-        padded = x.expand(2, -1).contiguous() if rows == 1 else x  # [max(rows, 2), in]
-        y = torch.mm(weight, padded.t()).t()[:rows].contiguous()
-        return y if bias is None else y + bias
+        return _matmul(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """weight @ x.T, a single row padded to two (torch's matrix-vector route is the slow one)."""
+    rows = x.shape[0]
+    padded = x.expand(2, -1).contiguous() if rows == 1 else x  # [max(rows, 2), in]
+    y = torch.mm(weight, padded.t()).t()[:rows].contiguous()
+    return y if bias is None else y + bias
 
 
 def _native_weights(dtype: torch.dtype, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -80,23 +88,98 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+class DenseProduct:
+    """x @ weight.T + bias for 2-D float32 / bfloat16 inputs on CPU through the routes `bind`
+    gives it (`routes.py`), one per row bucket; elsewhere, and before `bind`, `linear`. Holds its
+    tensors by reference (a Linear's parameters, a tied embedding)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.chosen: routes.RouteSet | None = None  # by routes.bind
+        self._calls: tuple[RowKernel, ...] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        calls = self._calls
+        if calls is None or x.dim() != 2 or x.dtype != self.weight.dtype or x.shape[0] == 0:
+            return linear(x, self.weight, self.bias)
+        if _needs_grad(x, self.weight, self.bias):
+            return F.linear(x, self.weight, self.bias)
+        return calls[routes.bucket_of(x.shape[0])](x)
+
+    # routes.Routed
+    @property
+    def route_kind(self) -> str | None:
+        w = self.weight
+        if (
+            w.device.type != "cpu"
+            or w.dtype not in ROUTE_DTYPES
+            or not _native_weights(w.dtype, w, self.bias)
+        ):
+            return None
+        return ROUTE_DTYPES[w.dtype]
+
+    @property
+    def shape_key(self) -> str:
+        out, in_features = self.weight.shape
+        return f"{self.route_kind} {out}x{in_features}{' bias' if self.bias is not None else ''}"
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    def available_routes(self) -> frozenset[str]:
+        names = {"f_linear", "matmul" if self.weight.dtype == torch.float32 else "f_linear_fp32"}
+        return frozenset(names | ({"row_gemm"} if _row_gemm() is not None else set()))
+
+    def route_call(self, name: str) -> RowKernel:
+        weight, bias = self.weight, self.bias
+        if name == "row_gemm":
+            kernel = _row_gemm()
+            assert kernel is not None
+            return lambda x: kernel(x, weight, bias)
+        if name == "matmul":
+            return lambda x: _matmul(x, weight, bias)
+        if name == "f_linear_fp32":
+            return lambda x: F.linear(
+                x.float(), weight.float(), None if bias is None else bias.float()
+            ).to(x.dtype)
+        return lambda x: F.linear(x, weight, bias)
+
+    def set_routes(self, chosen: routes.RouteSet) -> None:
+        self.chosen = chosen
+        self._calls = tuple(self.route_call(name) for name in chosen.names)
+
+
 class Linear(nn.Linear):
+    """nn.Linear whose products go through a `DenseProduct` over its own parameters."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.product = DenseProduct(self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.product(x)
 
     def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
         """The call `forward` makes for 2-D inputs of `dtype`, bound to this layer's tensors, and
         the most rows it holds for (any); every linear layer of the decoder has this method
         (`models/decode_plan.py` calls it once, not per step)."""
+        product = self.product
+        if product.chosen is not None and dtype == self.weight.dtype:
+            return product, 1 << 62
         weight, bias = self.weight, self.bias
         kernel = _row_gemm()  # the plan's steps: inputs of `dtype`, no autograd
         native = kernel is not None and _native_weights(dtype, weight, bias)
         native_rows = ROW_GEMM_ROWS.get(dtype, range(0)) if native else range(0)
 
-        def product(x: torch.Tensor) -> torch.Tensor:  # the route asked once, not every step
+        def product_of(x: torch.Tensor) -> torch.Tensor:  # the route asked once, not every step
             if x.shape[0] in native_rows:
                 assert kernel is not None
                 return kernel(x, weight, bias)
             return linear(x, weight, bias)
 
-        return product, 1 << 62
+        return product_of, 1 << 62

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +19,12 @@ from tandem.engine import layer_ops
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models import decode_plan
 from tandem.engine.models.config import ModelConfig
-from tandem.engine.models.linear import Linear, linear
+from tandem.engine.models.linear import DenseProduct, Linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:  # quant/model.py imports this module
     from tandem.engine.quant.lm_head import QuantizedLMHead
+    from tandem.engine.routes import Routed
 
 
 class RMSNorm(nn.Module):
@@ -163,8 +164,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = Linear(
                 cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device
             )
-        # An int8 copy of the output projection (set by quant/model.py) for the logits of steps
-        # of few rows; the float weight stays for embedding lookups and larger steps.
+        # The logits' product over the LM head's (or the tied embedding's) weight, and an int8
+        # copy of it (set by quant/model.py) for the logits of steps of few rows; the float
+        # weight stays for embedding lookups and larger steps.
+        self.head_product = DenseProduct(self.lm_head_weight, None)
         self.quantized_lm_head: QuantizedLMHead | None = None
         # The layers of CPU decode steps as flat calls (decode_plan.py), built at the first step;
         # whatever swaps the layers' modules afterwards calls `drop_decode_plan`.
@@ -213,7 +216,21 @@ class LlamaForCausalLM(nn.Module):
         head = self.quantized_lm_head
         if head is not None and hidden.shape[0] <= head.max_rows:
             return head(hidden, weight)
-        return linear(hidden, weight).float()
+        return self.head_product(hidden).float()
+
+    def routed_products(self) -> list[Routed]:
+        """Every product whose CPU kernels `routes.bind` chooses: the decoder layers' linear
+        layers, the LM head and its int8 copy."""
+        found: list[Routed] = []
+        for module in self.layers.modules():
+            if isinstance(module, Linear):
+                found.append(module.product)
+            elif hasattr(module, "set_routes"):  # a quantized layer (quant/layer.py)
+                found.append(cast("Routed", module))
+        found.append(self.head_product)
+        if self.quantized_lm_head is not None:
+            found.append(self.quantized_lm_head.int8)
+        return found
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

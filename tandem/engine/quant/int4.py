@@ -168,6 +168,7 @@ class Int4Linear(QuantizedLinear):
         device: torch.device,
     ) -> None:
         super().__init__()
+        self.model_dtype = dtype
         self.out_features = weight.qweight.shape[0]
         self.in_features = 2 * weight.qweight.shape[1]
         self.group_size = weight.group_size
@@ -202,6 +203,14 @@ class Int4Linear(QuantizedLinear):
         sz = self.scales_and_zeros.float()  # [groups, out, 2]
         return dequantize_int4(self.qweight, sz[..., 0].T, sz[..., 1].T).to(dtype)
 
+    @property
+    def method(self) -> str:
+        return "int4"
+
+    @property
+    def tile_group(self) -> int:
+        return self.group_size
+
     def kernel(self) -> RowKernel | None:
         group = self.group_size
         if self.tiles is not None and self.tile_scales is not None:
@@ -211,6 +220,21 @@ class Int4Linear(QuantizedLinear):
             packed, sz = self.packed, self.scales_and_zeros
             return lambda x: _mm(x, packed, group, sz)
         return None
+
+    def torch_kernel(self) -> RowKernel | None:
+        device = self.qweight.device
+        if not (
+            _kernel_fits(device, self.out_features, self.in_features)
+            and kernel_works(device, self.group_size)
+        ):
+            return None
+        if self.packed is None:
+            self.packed = _pack(self.qweight)
+        packed, sz, group = self.packed, self.scales_and_zeros, self.group_size
+        return lambda x: _mm(x, packed, group, sz)
+
+    def drop_packed(self) -> None:
+        self.packed = None
 
     def extra_repr(self) -> str:
         return (

@@ -76,6 +76,7 @@ class Int8Linear(QuantizedLinear):
         max_kernel_tokens: int = KERNEL_MAX_TOKENS,
     ) -> None:
         super().__init__()
+        self.model_dtype = dtype
         self.out_features, self.in_features = weight.qweight.shape
         self.max_kernel_tokens = max_kernel_tokens  # more tokens dequantize (or go elsewhere)
         self.qweight: torch.Tensor
@@ -98,8 +99,16 @@ class Int8Linear(QuantizedLinear):
         if self.tiles is not None and self.tile_scales is not None:
             weight_tiles, scales, group = self.tiles, self.tile_scales, self.in_features
             return lambda x: tiles.multiply(x, weight_tiles, scales, group)
+        return self.torch_kernel()
+
+    def torch_kernel(self) -> RowKernel | None:
+        if not kernel_works(self.qweight.device):
+            return None
         qweight, scales, mm = self.qweight, self.scales, torch.ops.aten._weight_int8pack_mm
         return lambda x: mm(x, qweight, scales)
+
+    def drop_packed(self) -> None:
+        pass  # the kernel reads the int8 weights as stored
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

@@ -1,4 +1,6 @@
-"""What the int8 and int4 linear layers share: their kernel for the rows of a decode step, and
+"""What the int8 and int4 linear layers share: on CPU, the routes `routes.bind` gives them, one
+per row bucket (the native tiles, torch's packed kernel, dequantize-then-matmul in bfloat16 or
+float32); elsewhere, and before `bind`, their device kernel for the rows of a decode step and
 dequantize-then-matmul for longer inputs and where there is no kernel."""
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.engine import routes
+from tandem.engine.quant import tiles
 from tandem.engine.quant.probe import KERNEL_DTYPE
 
 if TYPE_CHECKING:  # tandem.engine.models imports this module
@@ -23,22 +27,101 @@ class QuantizedLinear(nn.Module):
 
     in_features: int
     out_features: int
+    qweight: torch.Tensor
+    model_dtype: torch.dtype  # of the inputs, bias and outputs
     max_kernel_tokens: int
     use_kernel: bool
     bias: torch.Tensor | None
+    tiles: torch.Tensor | None
+    tile_scales: torch.Tensor | None
+    chosen: routes.RouteSet | None = None  # by routes.bind
+    _route_calls: tuple[RowKernel, ...] | None = None
 
     @abstractmethod
     def kernel(self) -> RowKernel | None:
-        """The kernel bound to this layer's tensors, [rows, in] -> [rows, out] in
+        """The device kernel bound to this layer's tensors, [rows, in] -> [rows, out] in
         `KERNEL_DTYPE`; None where there is none."""
+
+    @abstractmethod
+    def torch_kernel(self) -> RowKernel | None:
+        """torch's packed weight-only kernel on this layer's weights (packed on first use), or
+        None where it does not run."""
+
+    @abstractmethod
+    def drop_packed(self) -> None:
+        """Forget the torch kernel's copy of the weights."""
+
+    @property
+    def tile_group(self) -> int:
+        """The input channels of a scale in the tiles."""
+        return self.in_features
 
     @abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:  # [out, in]
         """The weights as floats."""
 
+    # routes.Routed
+    @property
+    def route_kind(self) -> str | None:
+        return None if self.qweight.device.type != "cpu" else self.method
+
+    @property
+    def method(self) -> str:
+        return "int8"
+
+    @property
+    def shape_key(self) -> str:
+        bias = " bias" if self.bias is not None else ""
+        return f"{self.method} {self.out_features}x{self.in_features} g{self.tile_group}{bias}"
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.model_dtype
+
+    def available_routes(self) -> frozenset[str]:
+        names = {"dequant", "dequant_fp32"}
+        if self.tiles is not None:
+            names.add("quant_gemm")
+        if self.torch_kernel() is not None:
+            names.add("torch_packed")
+        return frozenset(names)
+
+    def route_call(self, name: str) -> RowKernel:
+        """The route's product of rows [rows, in] -> [rows, out] in the model dtype, bias
+        excluded; the kernels take them in bfloat16 (`probe.py`)."""
+        if name in ("quant_gemm", "torch_packed"):
+            kernel = self.kernel_of(name)
+            if self.model_dtype == KERNEL_DTYPE:
+                return kernel
+            return lambda x: kernel(x.to(KERNEL_DTYPE)).to(x.dtype)
+        if name == "dequant_fp32":
+            return lambda x: F.linear(x.float(), self.dequantize(torch.float32)).to(x.dtype)
+        return lambda x: F.linear(x, self.dequantize(x.dtype))
+
+    def kernel_of(self, name: str) -> RowKernel:
+        """The native tiles' kernel or torch's packed one, on bfloat16 rows."""
+        if name == "quant_gemm":
+            weight_tiles, scales, group = self.tiles, self.tile_scales, self.tile_group
+            assert weight_tiles is not None and scales is not None
+            return lambda x: tiles.multiply(x, weight_tiles, scales, group)
+        kernel = self.torch_kernel()
+        assert kernel is not None
+        return kernel
+
+    def set_routes(self, chosen: routes.RouteSet) -> None:
+        self.chosen = chosen
+        if "torch_packed" not in chosen.names:
+            self.drop_packed()
+        self._route_calls = tuple(self.route_call(name) for name in chosen.names)
+
     def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
         """The kernel call and the most rows `forward` makes it for, where rows of `dtype` go
         straight to it; else None (`Linear.row_kernel`)."""
+        calls = self._route_calls
+        if calls is not None:
+            if dtype != self.model_dtype or self.bias is not None:
+                return None
+            return lambda x: calls[routes.bucket_of(x.shape[0])](x), 1 << 62
         kernel = self.kernel() if self.use_kernel else None
         if kernel is None or dtype != KERNEL_DTYPE or self.bias is not None:
             return None
@@ -46,6 +129,13 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features
+        calls = self._route_calls
+        if calls is not None and rows:
+            x2 = x.reshape(-1, self.in_features).to(self.model_dtype)  # [num_tokens, in]
+            y = calls[routes.bucket_of(rows)](x2).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
         kernel = self.kernel() if self.use_kernel and rows <= self.max_kernel_tokens else None
         if kernel is not None and x.dim() == 2 and x.dtype == KERNEL_DTYPE and self.bias is None:
             return kernel(x)  # a decode step's rows: no reshape or cast around the call

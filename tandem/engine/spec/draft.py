@@ -215,6 +215,7 @@ def load_draft_proposer(
         device,
         settings.quantization,
         settings.quant_group_size,
+        settings.kernel_routes,
     )
     kv_dtype = runner.kv_caches[0].dtype  # the engine's KV format, quantized or not
     # [2, num_blocks, block_size, num_kv_heads, slot_dim] per draft layer, as the target's
