@@ -46,6 +46,14 @@ QuantOpt = Annotated[str | None, typer.Option(help="Weights of the linear layers
 GroupSizeOpt = Annotated[
     int, typer.Option(help="int4: input channels per scale and zero (32 | 64 | 128 | 256).")
 ]
+KernelRoutesOpt = Annotated[
+    str,
+    typer.Option(
+        help="CPU kernels of the linear layers: auto (this machine's measured table, measuring "
+        "what it lacks) | probe (measure again) | default | a route forced everywhere it runs "
+        "(row_gemm, f_linear, quant_gemm, dequant, ...)."
+    ),
+]
 KVCacheDtypeOpt = Annotated[
     str,
     typer.Option(help="KV cache: auto (the model dtype) | int8 | fp8 (e4m3), scaled per token."),
@@ -98,6 +106,7 @@ def generate(
     spec_cost_aware: SpecCostOpt = True,
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
+    kernel_routes: KernelRoutesOpt = "auto",
     model: ModelOpt = DEFAULT_MODEL,
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
@@ -117,6 +126,7 @@ def generate(
             speculative=speculative,
             quantization=quantization,
             quant_group_size=quant_group_size,
+            kernel_routes=kernel_routes,
             kv_cache_dtype=kv_cache_dtype,
         )
     except ValueError as e:
@@ -211,6 +221,7 @@ def serve(
     kv_cache_dtype: KVCacheDtypeOpt = "auto",
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
+    kernel_routes: KernelRoutesOpt = "auto",
     max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
     num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
     engine: Annotated[str, typer.Option(help="--no-ray: real | sim workers.")] = "real",
@@ -241,6 +252,7 @@ def serve(
                 "dtype": dtype, "device": device, "memory_gib": kv_memory_gib,
                 "block_size": block_size, "kv_cache_dtype": kv_cache_dtype,
                 "quantization": quantization, "quant_group_size": quant_group_size,
+                "kernel_routes": kernel_routes,
                 "max_num_seqs": max_num_seqs, "num_threads": num_threads,
             },
             decode_engine=decode_engine,
@@ -253,6 +265,7 @@ def serve(
         worker_args += ["--block-size", str(block_size), "--kv-cache-dtype", kv_cache_dtype]
         worker_args += ["--quantization", quantization] if quantization else []
         worker_args += ["--quant-group-size", str(quant_group_size)]
+        worker_args += ["--kernel-routes", kernel_routes]
         worker_args += ["--spec", spec] if spec else []
         worker_args += ["--draft-model", draft_model] if draft_model else []
         worker_args += [] if spec_cost_aware else ["--no-spec-cost-aware"]
@@ -460,6 +473,7 @@ def worker(
     spec_cost_aware: SpecCostOpt = True,
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
+    kernel_routes: KernelRoutesOpt = "auto",
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
     channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
     stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
@@ -481,6 +495,7 @@ def worker(
         num_threads=num_threads, max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,
         quantization=quantization, quant_group_size=quant_group_size,
+        kernel_routes=kernel_routes,
     )  # fmt: skip
     if role == "prefill":
         from prefill_worker.server import build_server as build_prefill

@@ -59,7 +59,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from rich import box
@@ -70,6 +70,8 @@ from torch import nn
 
 from tandem.bench.common import progress_bar
 from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS, CacheConfig
+from tandem.engine import routes
+from tandem.engine.models.llama import LlamaForCausalLM
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS_PATH = PROJECT_ROOT.parent / "shared" / "data" / "specbench_dev.jsonl"
@@ -459,11 +461,13 @@ def run_engine_bench(
         "benchmark": "engine",
         "config": asdict(config),
         "method": __doc__,
-        "machine": machine_info(),
+        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
         "model_path": str(model_path),
         "prompts": {},
         "results": {},
+        "routes": {},
     }
+    console.print(machine_line(report["machine"]))
     per_dtype_units = 2 + config.rounds * (2 * config.prompts_per_round + 5)
     with quiet_transformers(), progress_bar(console) as progress:
         task = progress.add_task("loading weights", total=per_dtype_units * len(config.dtypes))
@@ -474,9 +478,10 @@ def run_engine_bench(
             )
             report["results"][dtype] = result
             report["prompts"] = prompts
+            report["routes"][dtype] = result.pop("routes")
+            progress.console.print(routes_table(f"{dtype}: kernel routes", report["routes"][dtype]))
             progress.console.print(_dtype_table(config, dtype, result))
         del state
-    report["machine"]["torch_threads"] = torch.get_num_threads()
     report["targets"] = check_targets(config, report["results"])
     console.print(targets_table(report["targets"]))
     if json_out is not None:
@@ -502,6 +507,8 @@ def _bench_dtype(
     n = config.new_tokens
     progress.update(task, description=f"{dtype}: loading engine and transformers")
     engine = EngineSide(config, dtype)
+    engine_model = cast(LlamaForCausalLM, engine.llm.engine.model)
+    described = routes.describe(engine_model.routed_products())
     reference = ReferenceSide(model_path, state, dtype)
     b1_ids = [engine.chat_ids(p.text) for p in b1_prompts]
     batch_ids = [engine.chat_ids(p.text) for p in batch_prompts]
@@ -587,7 +594,7 @@ def _bench_dtype(
 
     del engine, reference, separate, fused
     gc.collect()
-    result = _summarize(b1, batched, kernel, bandwidth, nbytes)
+    result = {**_summarize(b1, batched, kernel, bandwidth, nbytes), "routes": described}
     prompts = {
         "batch1": [_prompt_record(p, ids) for p, ids in zip(b1_prompts, b1_ids, strict=True)],
         "batch": [_prompt_record(p, ids) for p, ids in zip(batch_prompts, batch_ids, strict=True)],
@@ -694,11 +701,19 @@ def _prompt_record(prompt: BenchPrompt, ids: list[int]) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
+    """The machine a figure was measured on: CPU model and ISA flags, the native kernels' level
+    (the CPU's, or as TANDEM_NATIVE_ISA capped it), software versions, threads, commit."""
     import transformers
 
+    from tandem.engine import native, routes
+
     commit, dirty = _git_state()
+    lib = native.library()
     return {
         "cpu": _cpu_model(),
+        "isa_flags": routes.machine_identity()["isa_flags"],
+        "native_level": native.level_in_use() if lib is not None else None,
+        "cpu_level": lib.cpu_level if lib is not None else None,
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -708,6 +723,25 @@ def machine_info() -> dict[str, Any]:
         "git_commit": commit,
         "git_dirty": dirty,
     }
+
+
+def machine_line(machine: dict[str, Any]) -> str:
+    """One line naming what a run measured on: CPU, its ISA flags, the kernels' level, threads."""
+    return (
+        f"CPU: {machine['cpu']} ({machine['isa_flags'] or 'no AVX2'}); native kernels: "
+        f"{machine['native_level']} (the CPU runs {machine['cpu_level']}); torch "
+        f"{machine['torch']}, {machine['torch_threads']} threads"
+    )
+
+
+def routes_table(title: str, described: dict[str, str]) -> Table:
+    """The kernel routes of a model's products (`routes.describe`), one shape class a row."""
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    table.add_column("layer (kind out x in)", no_wrap=True)
+    table.add_column("route by rows")
+    for key, text in described.items():
+        table.add_row(key, text)
+    return table
 
 
 def _cpu_model() -> str:

@@ -2,11 +2,12 @@
 
 Method
 ------
-Engines: one Tandem `LLM` per (format, speculation), all in bfloat16 and loaded before the first
-measurement: format `bf16` (dense), `int8` or `int4` (groups of `group_size`; the linear layers
-quantized, the LM head with its int8 copy), speculation `off` or `ngram` (k =
-`num_speculative_tokens`). Same model, device, threads and KV block size; prefix caching off (the
-same prompts come back every round).
+Engines: one Tandem `LLM` per (format, speculation), loaded before the first measurement: format
+`fp32` (dense float32, no speculation), `bf16` (dense bfloat16), `int8` or `int4` (bfloat16
+activations, groups of `group_size`; the linear layers quantized, the LM head with its int8
+copy), speculation `off` or `ngram` (k = `num_speculative_tokens`). Same model, device, threads
+and KV block size; prefix caching off (the same prompts come back every round). Each engine's
+kernel routes (`engine/routes.py`: this machine's measured table) are printed and recorded.
 
 Prompts: the input-grounded Spec-Bench dev categories (summarization, rag: long prompts whose
 answers quote them, so n-gram drafts find matches), first turns, chat-templated, in a seeded
@@ -27,16 +28,24 @@ only (a single stream). Skipped, saying how to install it, when `llama_cpp` does
 
 Kernel floor per format: the engine's own linear layers (qkv, o, gate_up, down per decoder
 layer, then the LM head over the whole vocabulary as `compute_logits` runs it: the float table
-for bf16, the int8 copy for int8 / int4) alone at batch 1, back to back (`tandem bench engine`'s
-`kernel_steps_per_s`), in steps/s.
+for fp32 / bf16, the int8 copy for int8 / int4) alone at batch 1, back to back (`tandem bench
+engine`'s `kernel_steps_per_s`), in steps/s.
+
+Memory roofline per format: the machine's read bandwidth at the engine's thread count (`t.sum()`
+over a float32 tensor of `bandwidth_mib` MiB, far beyond the last-level cache; best of 5, each
+round) over the bytes a batch-1 decode step must read: the weights its routes read
+(`LlamaForCausalLM.decode_weight_bytes`: codes and scales, the LM head's int8 copy) plus the KV
+cache at the measured context (the batch-1 prompts' mean length plus half the new tokens).
 
 Order: in each of `rounds` rounds, every batch-1 prompt runs on every side in turn (the engines,
 then llama.cpp), then every batch of B on every engine, then the kernel floors. Figures are
 medians of their samples with min-max; ratios are ratios of medians.
 
-Targets (issue 8), without speculation: int8 batch 1 >= 1.6x bf16; int4 batch 1 >= 0.75x
-llama.cpp; int4 at the largest batch >= 4x llama.cpp's single stream (decode tok/s); and KV
-transfer bytes of an int8 cache <= 0.55x bf16 (`kv_quant.kv_bytes_per_token`, scales included).
+Targets (issue 27), without speculation, decode tok/s: int8 batch 1 >= 1.6x bf16; int4 batch 1
+>= 2x bf16 and >= 1.0x llama.cpp's single stream; every format's batch 1 >= 70% of its memory
+roofline (int4 >= 50%) and >= 85% of its kernel floor; at the largest batch, each quantized
+format >= bf16. And KV transfer bytes of an int8 cache <= 0.55x bf16
+(`kv_quant.kv_bytes_per_token`, scales included).
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ import itertools
 import json
 import math
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -62,25 +72,32 @@ from tandem.bench.engine import (
     greedy_params,
     kernel_steps_per_s,
     machine_info,
+    machine_line,
+    read_bandwidth,
+    routes_table,
     stats,
     target_result,
 )
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANT_METHODS
+from tandem.engine import routes
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
-BF16 = "bf16"
-FORMATS = (BF16, *QUANT_METHODS)
+FP32, BF16 = "fp32", "bf16"
+FORMATS = (FP32, BF16, *QUANT_METHODS)
 SPEC_OFF, NGRAM = "off", "ngram"
 SPECS = (SPEC_OFF, NGRAM)
 LLAMA_CPP = "llama.cpp"
 INSTALL_HINT = "pip install -e '.[bench-ref]' (compiles llama.cpp, ~5 minutes)"
 
-# Targets from issue 8 (thresholds, not measurements).
+# Targets from issue 27 (thresholds, not measurements).
 TARGET_INT8_VS_BF16 = 1.6
-TARGET_INT4_VS_LLAMA_CPP = 0.75
-TARGET_INT4_BATCH_VS_LLAMA_CPP = 4.0
+TARGET_INT4_VS_BF16 = 2.0
+TARGET_INT4_VS_LLAMA_CPP = 1.0
+TARGET_OF_ROOFLINE = {FP32: 0.7, BF16: 0.7, "int8": 0.7, "int4": 0.5}
+TARGET_OF_KERNEL_FLOOR = 0.85
+TARGET_BATCH_VS_BF16 = 1.0  # each quantized format at the largest batch
 TARGET_KV_INT8_OF_BF16 = 0.55  # at most
 
 KV_DTYPES = {BF16: torch.bfloat16, "int8": torch.int8}  # the KV caches whose bytes are compared
@@ -103,6 +120,7 @@ class QuantBenchConfig:
     device: str = "cpu"
     block_size: int = 16
     kernel_steps: int = 30  # batch-1 steps of the linear layers per kernel-floor sample
+    bandwidth_mib: int = 1024  # float32 tensor summed to measure read bandwidth
     llama_cpp: bool = True
     seed: int = 0
     warmup: bool = True  # one short unmeasured run of every side first
@@ -126,6 +144,8 @@ class QuantBenchConfig:
             raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if self.new_tokens < 2:
             raise ValueError(f"new_tokens must be >= 2 (decode needs two), got {self.new_tokens}")
+        if self.bandwidth_mib < 16:
+            raise ValueError(f"bandwidth_mib must be >= 16, got {self.bandwidth_mib}")
         for name in ("num_speculative_tokens", "prompts", "rounds", "threads", "kernel_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -141,6 +161,7 @@ class QuantBenchConfig:
             new_tokens=min(self.new_tokens, 8),
             rounds=1,
             kernel_steps=3,
+            bandwidth_mib=64,
             warmup=False,
         )
 
@@ -208,23 +229,25 @@ def kv_blocks(config: QuantBenchConfig, prompts: Sequence[tuple[int, list[int]]]
 
 
 class EngineSide:
-    """A bfloat16 Tandem `LLM` in one weight format, with n-gram speculation or without."""
+    """A Tandem `LLM` in one weight format (float32 for fp32, else bfloat16), with n-gram
+    speculation or without."""
 
     def __init__(self, config: QuantBenchConfig, fmt: str, spec: str, num_blocks: int) -> None:
         from tandem.engine import LLM
 
         self.fmt, self.spec = fmt, spec
         self.label = f"{fmt}, {spec}"
+        self.dtype = torch.float32 if fmt == FP32 else torch.bfloat16
         self.llm = LLM(
             config.model,
-            dtype="bfloat16",
+            dtype="float32" if fmt == FP32 else "bfloat16",
             device=config.device,
             num_threads=config.threads,
             block_size=config.block_size,
             num_blocks=num_blocks,
             enable_prefix_caching=False,
             max_num_seqs=max(config.batch_sizes),
-            quantization=None if fmt == BF16 else fmt,
+            quantization=fmt if fmt in QUANT_METHODS else None,
             quant_group_size=config.group_size,
             kv_cache_dtype=config.kv_cache_dtype,
             speculative=None
@@ -350,10 +373,13 @@ def run_quant_bench(
     model_path = hub.resolve(config.model)
     prompts = load_prompts(config, load_tokenizer(model_path))
     num_blocks = kv_blocks(config, prompts)
+    machine = {**machine_info(), "torch_threads": torch.get_num_threads()}
+    console.print(machine_line(machine))
     engines: list[EngineSide] = []
+    sides = [(f, s) for f, s in itertools.product(config.formats, SPECS) if (f, s) != (FP32, NGRAM)]
     with progress_bar(console) as progress:
-        task = progress.add_task("loading engines", total=len(config.formats) * len(SPECS))
-        for fmt, spec in itertools.product(config.formats, SPECS):
+        task = progress.add_task("loading engines", total=len(sides))
+        for fmt, spec in sides:
             progress.update(task, description=f"loading {fmt}, {spec}")
             engines.append(EngineSide(config, fmt, spec, num_blocks))
             progress.advance(task)
@@ -363,12 +389,16 @@ def run_quant_bench(
         console.print(f"[yellow]llama.cpp skipped:[/yellow] {skipped}")
 
     plain = {e.fmt: e for e in engines if e.spec == SPEC_OFF}
+    described = {fmt: routes.describe(e.model.routed_products()) for fmt, e in plain.items()}
+    for fmt, text in described.items():
+        console.print(routes_table(f"{fmt}: kernel routes", text))
     samples: list[dict[str, Any]] = []
     kernel: list[dict[str, Any]] = []
+    bandwidth: list[float] = []
     batches = {b: batches_of(prompts, b, config.prompts) for b in config.batch_sizes}
     runs = sum(len(bs) * len(_sides(engines, llama, b)) for b, bs in batches.items())
     with progress_bar(console) as progress:
-        task = progress.add_task("warm-up", total=config.rounds * (runs + len(plain)))
+        task = progress.add_task("warm-up", total=config.rounds * (runs + len(plain) + 1))
         if config.warmup:
             for side in _sides(engines, llama, 1):
                 side.run([prompts[0][1]], _WARMUP_TOKENS)
@@ -387,16 +417,24 @@ def run_quant_bench(
                         samples.append(_sample(round_, batch_size, index, side, batch, run, base))
                         progress.advance(task)
             kernel += _kernel_floors(config, plain, round_, progress, task)
+            progress.update(task, description=f"round {round_ + 1}: read bandwidth")
+            bandwidth.append(read_bandwidth(config.bandwidth_mib << 20)[0])
+            progress.advance(task)
 
     cfg = load_config(model_path)
     kv = {name: kv_bytes_per_token(cfg, dtype) for name, dtype in KV_DTYPES.items()}
     summary = summarize(samples, config)
     floors = summarize_kernel(kernel, summary)
+    context = statistics.mean(len(b[0][1]) for b in batches_of(prompts, 1, config.prompts))
+    rooflines = summarize_roofline(
+        plain, bandwidth, context + config.new_tokens / 2, summary, config.kv_cache_dtype
+    )
     report: dict[str, Any] = {
         "benchmark": "quant",
         "config": asdict(config),
         "method": __doc__,
-        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+        "machine": machine,
+        "routes": described,
         "model_path": str(model_path),
         "kv_blocks": num_blocks,
         "skipped": {LLAMA_CPP: skipped} if skipped else {},
@@ -405,8 +443,10 @@ def run_quant_bench(
         "summary": summary,
         "kernel_floor": floors,
         "kernel_samples": kernel,
+        "read_bandwidth_gb_s": stats([b / 1e9 for b in bandwidth]),
+        "roofline": rooflines,
         "kv_bytes_per_token": kv,
-        "targets": check_targets(summary, kv, config),
+        "targets": check_targets(summary, floors, rooflines, kv, config),
     }
     print_report(report, console)
     if json_out is not None:
@@ -433,7 +473,7 @@ def _kernel_floors(
         progress.update(task, description=f"round {round_ + 1}: kernel floor, {fmt}")
         device = torch.device(config.device)
         layers = engine_linear_layers(side.model)
-        steps_s = kernel_steps_per_s(layers, config.kernel_steps, torch.bfloat16, device)
+        steps_s = kernel_steps_per_s(layers, config.kernel_steps, side.dtype, device)
         out.append({"round": round_, "format": fmt, "steps_s": steps_s})
         progress.advance(task)
     return out
@@ -552,8 +592,50 @@ def summarize_kernel(
     ]
 
 
+def summarize_roofline(
+    plain: dict[str, EngineSide],
+    bandwidth: Sequence[float],
+    context: float,
+    summary: Sequence[dict[str, Any]],
+    kv_cache_dtype: str,
+) -> list[dict[str, Any]]:
+    """Per format: the bytes a batch-1 decode step reads (weights through its routes, KV at
+    `context` tokens), the memory roofline (median read bandwidth / those bytes, steps/s) and
+    the engine's batch 1 (no spec) over it."""
+    from tandem.config import KV_CACHE_DTYPES
+
+    b1 = {
+        r["format"]: r["decode_tok_s"]["median"]
+        for r in summary
+        if r["batch_size"] == 1 and r["spec"] == SPEC_OFF
+    }
+    gb_s = statistics.median(bandwidth)
+    rows = []
+    for fmt, side in plain.items():
+        model = side.model
+        kv_dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, side.dtype)
+        weight = model.decode_weight_bytes(1)
+        kv = kv_bytes_per_token(model.cfg, kv_dtype) * context
+        roofline = gb_s / (weight + kv)
+        rows.append(
+            {
+                "format": fmt,
+                "weight_bytes": weight,
+                "kv_bytes": kv,
+                "context_tokens": context,
+                "roofline_tok_s": roofline,
+                "engine_b1_of_roofline": b1[fmt] / roofline if fmt in b1 else None,
+            }
+        )
+    return rows
+
+
 def check_targets(
-    summary: Sequence[dict[str, Any]], kv: dict[str, int], config: QuantBenchConfig
+    summary: Sequence[dict[str, Any]],
+    floors: Sequence[dict[str, Any]],
+    rooflines: Sequence[dict[str, Any]],
+    kv: dict[str, int],
+    config: QuantBenchConfig,
 ) -> list[dict[str, Any]]:
     """The issue's targets that this run covers, each with its measured value."""
     tok_s = {
@@ -562,22 +644,39 @@ def check_targets(
         if r["spec"] in (SPEC_OFF, LLAMA_CPP)
     }
     targets = []
-    if ("int8", 1) in tok_s and (BF16, 1) in tok_s:
-        value = tok_s["int8", 1] / tok_s[BF16, 1]
-        targets.append(target_result("int8 batch 1: / bf16", value, TARGET_INT8_VS_BF16))
+    for fmt, target in (("int8", TARGET_INT8_VS_BF16), ("int4", TARGET_INT4_VS_BF16)):
+        if (fmt, 1) in tok_s and (BF16, 1) in tok_s:
+            value = tok_s[fmt, 1] / tok_s[BF16, 1]
+            targets.append(target_result(f"{fmt} batch 1: / bf16", value, target))
     llama = tok_s.get((LLAMA_CPP, 1))
     if llama is not None and ("int4", 1) in tok_s:
         value = tok_s["int4", 1] / llama
         targets.append(target_result("int4 batch 1: / llama.cpp", value, TARGET_INT4_VS_LLAMA_CPP))
-    largest = max(config.batch_sizes)
-    if llama is not None and largest > 1 and ("int4", largest) in tok_s:
-        targets.append(
-            target_result(
-                f"int4 batch {largest}: / llama.cpp single stream",
-                tok_s["int4", largest] / llama,
-                TARGET_INT4_BATCH_VS_LLAMA_CPP,
+    for row in rooflines:
+        if row["engine_b1_of_roofline"] is not None:
+            targets.append(
+                target_result(
+                    f"{row['format']} batch 1: of its memory roofline",
+                    row["engine_b1_of_roofline"],
+                    TARGET_OF_ROOFLINE[row["format"]],
+                )
             )
-        )
+    for floor in floors:
+        if floor["engine_b1_of_floor"] is not None:
+            targets.append(
+                target_result(
+                    f"{floor['format']} batch 1: of its kernel floor",
+                    floor["engine_b1_of_floor"],
+                    TARGET_OF_KERNEL_FLOOR,
+                )
+            )
+    largest = max(config.batch_sizes)
+    for fmt in QUANT_METHODS:
+        if largest > 1 and (fmt, largest) in tok_s and (BF16, largest) in tok_s:
+            value = tok_s[fmt, largest] / tok_s[BF16, largest]
+            targets.append(
+                target_result(f"{fmt} batch {largest}: / bf16", value, TARGET_BATCH_VS_BF16)
+            )
     # Stated as bf16 / int8 >= 1 / 0.55, so that more is better like the other targets.
     targets.append(
         target_result(

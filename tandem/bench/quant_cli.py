@@ -20,8 +20,8 @@ def bench_quant(
     model: Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")] = (
         DEFAULT_MODEL
     ),
-    formats: Annotated[str, typer.Option(help="Comma-separated: bf16, int8, int4.")] = (
-        "bf16,int8,int4"
+    formats: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16, int8, int4.")] = (
+        "fp32,bf16,int8,int4"
     ),
     group_size: Annotated[int, typer.Option(help="int4: input channels per group.")] = 32,
     kv_cache_dtype: Annotated[

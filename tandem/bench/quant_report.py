@@ -10,15 +10,17 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tandem.bench.engine import fmt_stats, targets_table
+from tandem.bench.engine import fmt_stats, machine_line, targets_table
 from tandem.bench.quant import LLAMA_CPP, NGRAM, SPEC_OFF
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
     for label, reason in report["skipped"].items():
         console.print(f"[yellow]skipped {label}:[/yellow] {reason}")
+    console.print(machine_line(report["machine"]))
     console.print(_matrix_table(report["config"], report["summary"]))
     console.print(_floor_table(report["kernel_floor"]))
+    console.print(_roofline_table(report["read_bandwidth_gb_s"], report["roofline"]))
     kv = report["kv_bytes_per_token"]
     console.print(
         f"KV bytes per token, scales included (what a transfer moves): bf16 cache "
@@ -34,7 +36,7 @@ def _num(value: float | None, spec: str = ".2f", suffix: str = "x") -> str:
 def _matrix_table(config: dict[str, Any], rows: Sequence[dict[str, Any]]) -> Table:
     table = Table(
         title=f"decode tok/s (prefill excluded), median (min-max) of {config['rounds']} rounds: "
-        f"{config['model']}, bfloat16, {config['new_tokens']} new tokens, greedy, "
+        f"{config['model']}, {config['new_tokens']} new tokens, greedy, "
         f"{config['threads']} threads, k = {config['num_speculative_tokens']}",
         title_justify="left",
         box=box.SIMPLE_HEAD,
@@ -93,6 +95,34 @@ def _floor_table(floors: Sequence[dict[str, Any]]) -> Table:
             fmt_stats(f["steps_s"]),
             _num(f["vs_bf16"]),
             _num(f["engine_b1_of_floor"], ".0%", ""),
+        )
+    return table
+
+
+def _roofline_table(bandwidth: dict[str, float], rows: Sequence[dict[str, Any]]) -> Table:
+    table = Table(
+        title=f"memory roofline: read bandwidth {fmt_stats(bandwidth)} GB/s over the bytes of a "
+        "batch-1 decode step",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in (
+        "weights",
+        "weight MB",
+        "KV MB",
+        "context",
+        "roofline tok/s",
+        "engine b1 / roofline",
+    ):
+        table.add_column(name, justify="left" if name == "weights" else "right")
+    for r in rows:
+        table.add_row(
+            r["format"],
+            f"{r['weight_bytes'] / 1e6:.1f}",
+            f"{r['kv_bytes'] / 1e6:.1f}",
+            f"{r['context_tokens']:.0f}",
+            f"{r['roofline_tok_s']:.1f}",
+            _num(r["engine_b1_of_roofline"], ".0%", ""),
         )
     return table
 

@@ -141,6 +141,8 @@ class Routed(Protocol):
     routes it holds, and each route as a call on its weights ([rows, in] -> [rows, out], rows in
     `activation_dtype`); `set_routes` binds them (and frees what no route of it reads)."""
 
+    chosen: RouteSet | None
+
     @property
     def route_kind(self) -> str | None: ...
 
@@ -158,6 +160,8 @@ class Routed(Protocol):
     def route_call(self, name: str) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
     def set_routes(self, chosen: RouteSet) -> None: ...
+
+    def read_bytes(self, rows: int) -> int: ...
 
 
 def machine_identity(num_threads: int | None = None) -> dict[str, str]:
@@ -324,6 +328,15 @@ def bind(layers: list[Routed], policy: str, exact: bool, num_threads: int | None
         path,
         "\n  ".join(f"{key}: {text}" for key, text in seen.items()),
     )
+
+
+def describe(products: list[Routed]) -> dict[str, str]:
+    """Shape class -> its routes by row bucket, for the products that have routes."""
+    found: dict[str, str] = {}
+    for product in products:
+        if product.chosen is not None:
+            found.setdefault(product.shape_key, product.chosen.describe())
+    return found
 
 
 def _assign(layer: Routed, routes: RouteSet) -> None:

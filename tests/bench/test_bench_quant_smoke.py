@@ -39,6 +39,7 @@ def test_summary_ratios_and_targets() -> None:
     samples = [
         sample("bf16", SPEC_OFF, 1, 30.0),
         sample("bf16", NGRAM, 1, 60.0),
+        sample("bf16", SPEC_OFF, 16, 300.0),
         sample("int8", SPEC_OFF, 1, 50.0),
         sample("int4", SPEC_OFF, 1, 80.0),
         sample("int4", SPEC_OFF, 16, 400.0),
@@ -51,12 +52,23 @@ def test_summary_ratios_and_targets() -> None:
     assert ngram["vs_off"] == pytest.approx(2.0) and ngram["same_output"] == [1, 1]
     assert ngram["mean_acceptance_length"] == pytest.approx(3.0)
     assert ngram["acceptance_rate"] == pytest.approx(0.4)
-    targets = check_targets(list(rows.values()), {"bf16": 100, "int8": 53}, config)
+    floors = [{"format": "int4", "engine_b1_of_floor": 0.9}]
+    rooflines = [
+        {"format": "bf16", "engine_b1_of_roofline": 0.6},
+        {"format": "int4", "engine_b1_of_roofline": 0.6},
+    ]
+    targets = check_targets(
+        list(rows.values()), floors, rooflines, {"bf16": 100, "int8": 53}, config
+    )
     got = {t["name"]: (round(t["value"], 3), t["pass"]) for t in targets}
     assert got == {
         "int8 batch 1: / bf16": (1.667, True),
-        "int4 batch 1: / llama.cpp": (0.8, True),
-        "int4 batch 16: / llama.cpp single stream": (4.0, True),
+        "int4 batch 1: / bf16": (2.667, True),
+        "int4 batch 1: / llama.cpp": (0.8, False),
+        "bf16 batch 1: of its memory roofline": (0.6, False),  # 70% for every format
+        "int4 batch 1: of its memory roofline": (0.6, True),  # but int4: 50%
+        "int4 batch 1: of its kernel floor": (0.9, True),
+        "int4 batch 16: / bf16": (1.333, True),
         "KV bytes per token: bf16 / int8 (int8 <= 0.55x bf16)": (1.887, True),
     }
 
@@ -96,14 +108,25 @@ def test_bench_quant_quick(smollm2_path: Path, tmp_path: Path) -> None:
     keys = {(r["format"], r["spec"], r["batch_size"]) for r in report["summary"]}
     assert keys == {
         (f, s, b) for f in ("bf16", "int8", "int4") for s in (SPEC_OFF, NGRAM) for b in (1, 2)
-    }
+    } | {("fp32", SPEC_OFF, b) for b in (1, 2)}
     for row in report["summary"]:
         assert row["decode_tok_s"]["median"] > 0 and row["output_tok_s"]["median"] > 0
         if row["spec"] == NGRAM:
             assert row["same_output"][1] == row["batch_size"]
-    assert [f["format"] for f in report["kernel_floor"]] == ["bf16", "int8", "int4"]
+    formats = ["fp32", "bf16", "int8", "int4"]
+    assert [f["format"] for f in report["kernel_floor"]] == formats
     assert all(f["steps_s"]["median"] > 0 for f in report["kernel_floor"])
+    assert [r["format"] for r in report["roofline"]] == formats
+    bytes_of = {r["format"]: r["weight_bytes"] for r in report["roofline"]}
+    # what a decode step reads shrinks with the format: float32, bfloat16, int8, int4 codes
+    assert bytes_of["fp32"] > bytes_of["bf16"] > bytes_of["int8"] > bytes_of["int4"]
+    assert all(r["roofline_tok_s"] > 0 for r in report["roofline"])
+    assert set(report["routes"]) == set(formats) and all(report["routes"].values())
+    machine = report["machine"]
+    assert machine["native_level"] in ("generic", "avx2", "avx512", "avx512bf16")
     names = [t["name"] for t in report["targets"]]
-    assert names == ["int8 batch 1: / bf16", names[-1]] and names[-1].startswith("KV bytes")
+    assert names[:2] == ["int8 batch 1: / bf16", "int4 batch 1: / bf16"]
+    assert names[-1].startswith("KV bytes")
     text_out = console.file.getvalue()  # type: ignore[attr-defined]
-    assert "kernel floor" in text_out and "targets" in text_out
+    for part in ("kernel floor", "memory roofline", "kernel routes", "targets", "native kernels"):
+        assert part in text_out

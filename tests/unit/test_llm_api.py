@@ -245,6 +245,7 @@ def test_cli_generate(llm: LLM, cli: tuple[CliRunner, list[dict[str, Any]]]) -> 
             "speculative": None,
             "quantization": None,
             "quant_group_size": 32,
+            "kernel_routes": "auto",
             "kv_cache_dtype": "auto",
         }
     ]

@@ -153,6 +153,10 @@ class DenseProduct:
         self.chosen = chosen
         self._calls = tuple(self.route_call(name) for name in chosen.names)
 
+    def read_bytes(self, rows: int) -> int:
+        """Bytes of weights a product of `rows` rows reads (every route reads them whole)."""
+        return sum(t.nbytes for t in (self.weight, self.bias) if t is not None)
+
 
 class Linear(nn.Linear):
     """nn.Linear whose products go through a `DenseProduct` over its own parameters."""

@@ -218,19 +218,33 @@ class LlamaForCausalLM(nn.Module):
             return head(hidden, weight)
         return self.head_product(hidden).float()
 
-    def routed_products(self) -> list[Routed]:
-        """Every product whose CPU kernels `routes.bind` chooses: the decoder layers' linear
-        layers, the LM head and its int8 copy."""
+    def decode_weight_bytes(self, rows: int = 1) -> int:
+        """Bytes of weights a decode step of `rows` rows reads: the decoder layers' linear
+        layers through their routes, the norms, and the LM head the logits take (its int8 copy
+        up to its rows, plus the rescored rows of the float weight)."""
+        total = sum(product.read_bytes(rows) for product in self.layer_products())
+        total += sum(norm.weight.nbytes for norm in self.modules() if isinstance(norm, RMSNorm))
+        head = self.quantized_lm_head
+        if head is not None and rows <= head.max_rows:
+            return total + head.int8.read_bytes(rows) + head.rescored_bytes(rows)
+        return total + self.head_product.read_bytes(rows)
+
+    def layer_products(self) -> list[Routed]:
+        """The decoder layers' linear layers, as products whose CPU kernels `routes.bind`
+        chooses."""
         found: list[Routed] = []
         for module in self.layers.modules():
             if isinstance(module, Linear):
                 found.append(module.product)
             elif hasattr(module, "set_routes"):  # a quantized layer (quant/layer.py)
                 found.append(cast("Routed", module))
-        found.append(self.head_product)
-        if self.quantized_lm_head is not None:
-            found.append(self.quantized_lm_head.int8)
         return found
+
+    def routed_products(self) -> list[Routed]:
+        """Every product whose CPU kernels `routes.bind` chooses: the layers', the LM head and
+        its int8 copy."""
+        head = [] if self.quantized_lm_head is None else [self.quantized_lm_head.int8]
+        return [*self.layer_products(), self.head_product, *head]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

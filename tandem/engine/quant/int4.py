@@ -236,6 +236,12 @@ class Int4Linear(QuantizedLinear):
     def drop_packed(self) -> None:
         self.packed = None
 
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return [self.scales_and_zeros]
+
+    def packed_weights(self) -> torch.Tensor:
+        return self.packed if self.packed is not None else self.qweight
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "

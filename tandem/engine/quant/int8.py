@@ -110,5 +110,8 @@ class Int8Linear(QuantizedLinear):
     def drop_packed(self) -> None:
         pass  # the kernel reads the int8 weights as stored
 
+    def scale_tensors(self) -> list[torch.Tensor]:
+        return [self.scales]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"

@@ -114,6 +114,27 @@ class QuantizedLinear(nn.Module):
             self.drop_packed()
         self._route_calls = tuple(self.route_call(name) for name in chosen.names)
 
+    def read_bytes(self, rows: int) -> int:
+        """Bytes of weights a product of `rows` rows reads through its route (before `bind`:
+        the device kernel's weights): the tiles, torch's packed copy or the codes, and their
+        scales."""
+        name = self.chosen.route(rows) if self.chosen is not None else "quant_gemm"
+        if name == "quant_gemm" and self.tiles is not None and self.tile_scales is not None:
+            parts = [self.tiles, self.tile_scales]
+        else:
+            parts = [self.qweight, *self.scale_tensors()]
+            if name == "torch_packed":
+                parts[0] = self.packed_weights()
+        return sum(t.nbytes for t in [*parts, self.bias] if t is not None)
+
+    @abstractmethod
+    def scale_tensors(self) -> list[torch.Tensor]:
+        """The scales (and zeros) the codes are read with."""
+
+    def packed_weights(self) -> torch.Tensor:
+        """The weights as torch's packed kernel reads them (int8: the codes as stored)."""
+        return self.qweight
+
     def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
         """The kernel call and the most rows `forward` makes it for, where rows of `dtype` go
         straight to it; else None (`Linear.row_kernel`)."""

@@ -43,6 +43,11 @@ class QuantizedLMHead(nn.Module):
         int8.max_kernel_tokens = self.max_rows
         self.int8 = int8
 
+    def rescored_bytes(self, rows: int) -> int:
+        """Bytes of the float weight the rescoring of `rows` rows reads."""
+        weight = self.int8
+        return rows * RESCORED * weight.in_features * weight.model_dtype.itemsize
+
     def forward(
         self,
         hidden: torch.Tensor,  # [rows, hidden], rows <= max_rows
