@@ -432,7 +432,12 @@ def test_dockerfiles() -> None:
         assert f"ARG RAY_VERSION={ray_version}\n" in text, name
         assert "tandem models pull smollm2-135m" in text, name
         assert "TANDEM_HOME=" in text and "pip install ." in text, name
-    assert "download.pytorch.org/whl/cpu" in (DEPLOY / "docker" / "Dockerfile.cpu").read_text()
+    cpu = (DEPLOY / "docker" / "Dockerfile.cpu").read_text()
+    assert "download.pytorch.org/whl/cpu" in cpu
+    # the native extension is built into the image, where every pod looks for it, and no
+    # -march=native build depends on the build machine's CPU (native.py)
+    assert cpu.count("TORCH_EXTENSIONS_DIR=/opt/tandem/torch_extensions") == 2
+    assert "native.library()" in cpu and "COPY --from=builder /opt/tandem /opt/tandem" in cpu
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv"} <= set(ignored)
 
