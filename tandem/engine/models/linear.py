@@ -1,10 +1,12 @@
-"""Linear layers with faster routes for the few-row products of decoding on CPU.
+"""Linear layers whose CPU products take the routes measured on the machine (`routes.py`).
 
 A decode step's products (1-32 rows: small-batch decode, speculative verification of a few
 drafts) are bound by reading the weights, and `F.linear` is far from that bound on CPU. The native
-`row_gemm` (csrc/row_gemm.cpp) reads each weight once per 8 rows, and a row's result from it does
-not depend on the other rows: a token verified among drafts gets the logits a decode step gives
-it. By dtype (SmolLM2, 2 threads, measured in one process, interleaved):
+`row_gemm` (csrc/kernels/row_gemm.h) reads each weight once per 8 rows, and a row's result from it
+does not depend on the other rows: a token verified among drafts gets the logits a decode step
+gives it. `DenseProduct` holds a product's routes, one per row bucket, as `routes.bind` measured
+them; before `bind` (and for other dtypes, autograd, CUDA) `linear` runs, whose routes are the
+defaults, measured on the AVX-512 BF16 machine (SmolLM2, 2 threads, one process, interleaved):
 
 - float32, 1-2 rows: `weight @ x.T`, a single row padded to two (torch's matrix-vector route is
   the slow one): 1.5-5x `F.linear`, near the machine's read bandwidth. `row_gemm` there made
@@ -21,9 +23,9 @@ it. By dtype (SmolLM2, 2 threads, measured in one process, interleaved):
   row alone), which made greedy speculative decoding in bfloat16 emit other tokens than plain
   decoding.
 
-For other dtypes, tensors that need gradients, mixed dtypes, on CUDA, and where `row_gemm` was not
-built for AVX-512 (it was measured there only; float32 then takes `weight @ x.T` up to 8 rows),
-`F.linear` runs. The bias is added in float32 before the one rounding to bfloat16.
+For other dtypes, tensors that need gradients, mixed dtypes, on CUDA, and without the native
+library (float32 then takes `weight @ x.T` up to 8 rows), `F.linear` runs. `row_gemm` adds the
+bias in float32 before the one rounding to bfloat16.
 """
 
 from __future__ import annotations

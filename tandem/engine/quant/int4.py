@@ -5,10 +5,11 @@ That affine form is the one torch's int4 kernels dequantize; with zero = min + 8
 (`(q - 8) * d`). Storage (`Int4Weight.qweight`): two codes a byte, code 2j in the high nibble of
 byte j, `[out, in // 2]` uint8; scales and zeros `[out, in // group_size]`.
 
-Kernels (the layer passes activations in bfloat16, `probe.py`):
-- CPU with AVX-512 BF16: the native tiled kernel (`tiles.py`), fed the layer's bfloat16 scales
-  and zeros widened to float32.
-- Other CPUs: `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
+Kernels (the layer passes activations in bfloat16, `probe.py`; on CPU the route of each row
+bucket is measured among them and dequantize-then-matmul, `routes.py`):
+- CPU: the native tiled kernel (`tiles.py`, every ISA level), fed the layer's bfloat16 scales
+  and zeros widened to float32; and torch's
+  `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
   `[out, in // 2]` in a blocked layout of its own (inner_k_tiles is ignored), then
   `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)`; out a multiple of 16.
   Scales and zeros as `[in // group_size, out, 2]` bfloat16 for this one and CUDA's.

@@ -1,13 +1,15 @@
 """int8 weights with one scale per output channel: w ~= q * scale, q in [-127, 127] (symmetric).
 
-Kernel on a CPU with AVX-512 BF16: the native tiled kernel (`tiles.py`). Elsewhere:
+Kernels: the native tiled kernel (`tiles.py`), and
 `torch.ops.aten._weight_int8pack_mm(x, q, scales)` = `(x @ q.T) * scales`, with `q` the int8
 `[out, in]` matrix as stored (no repacking) and `x` and `scales` in the same floating dtype
 (float32, bfloat16 or float16; the output comes in that dtype), here bfloat16 (`probe.py`). It
 reads 1 byte per weight, but it does not batch rows: its time grows linearly with the number of
 tokens, so past the layer's `max_kernel_tokens` (`KERNEL_MAX_TOKENS`: a long prefill) it
 dequantizes and runs one dense matmul instead. Fallback, also used where the kernel is
-unavailable: dequantize to the activation dtype, then `F.linear`.
+unavailable: dequantize to the activation dtype, then `F.linear`. On CPU the route of each row
+bucket is measured among these (`routes.py`); the thresholds here are the defaults, and the
+routes of CUDA.
 """
 
 from __future__ import annotations

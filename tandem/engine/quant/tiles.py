@@ -1,15 +1,16 @@
-"""Weight tiles for the native few-row product of quantized weights (`csrc/quant_gemm.cpp`).
+"""Weight tiles for the native few-row product of quantized weights (`csrc/kernels/quant_gemm.h`).
 
-On a CPU with AVX-512 BF16 the int4 and int8 layers (and the int8 LM head) multiply through one
-native kernel that decodes each weight once per call, whatever the number of rows, and sums
-bfloat16 products in float32; elsewhere they keep torch's packed kernels. It reads the weights in
+The int4 and int8 layers (and the int8 LM head) can multiply through one native kernel, built for
+every ISA level, that decodes each weight once per chunk of rows and sums exact products in
+float32 (`routes.py` measures it against torch's packed kernels and dequantize-then-GEMM). It
+reads the weights in
 tiles of 16 output channels, the input channels in pairs: tile t, pair p holds channel n = 16 t + i
 in lane i, codes q[n, 2p] and q[n, 2p + 1] (int4: one byte, the first in the low nibble; int8:
 two bytes), and per group of input channels the float32 scale and min of each channel,
 `[out // 16, groups, 2, 16]`, so that w = q * scale + min (int8: one group, min 0).
 
-Measured on SmolLM2's projections (bfloat16 rows, 2 threads), against torch's int4 kernel:
-1.5-1.7x faster at one row and 2.1-2.25x at sixteen (gate/up 152 us against 341).
+Measured on SmolLM2's projections (bfloat16 rows, 2 threads, AVX-512 BF16), against torch's int4
+kernel: 1.5-1.7x faster at one row and 2.1-2.25x at sixteen (gate/up 152 us against 341).
 """
 
 from __future__ import annotations
