@@ -75,25 +75,26 @@ def test_strided_rows(kernels: ModuleType, method: str) -> None:
 
 def test_int4_tiles_hold_every_code_where_the_kernel_reads_it() -> None:
     codes = torch.arange(32 * 64).remainder(16).view(32, 64).to(torch.uint8)  # [out, in]
-    scales, mins = torch.rand(2, 32), torch.rand(2, 32)  # [groups, out]
-    weight_tiles, scales_mins = tiles.tile_int4(codes, scales, mins)
-    assert weight_tiles.shape == (2, 32, 16) and scales_mins.shape == (2, 2, 2, 16)
+    scales, zeros = torch.rand(2, 32).bfloat16(), torch.rand(2, 32).bfloat16()  # [groups, out]
+    weight_tiles, scales_zeros = tiles.tile_int4(codes, scales, zeros)
+    assert weight_tiles.shape == (2, 32, 16) and scales_zeros.shape == (2, 2, 2, 16)
+    assert scales_zeros.dtype == torch.bfloat16
     for t, p, i in [(0, 0, 0), (1, 5, 3), (1, 31, 15)]:
         n, g = 16 * t + i, (2 * p) // 32
         assert weight_tiles[t, p, i] == codes[n, 2 * p] | codes[n, 2 * p + 1] << 4
-        assert scales_mins[t, g, 0, i] == scales[g, n] and scales_mins[t, g, 1, i] == mins[g, n]
+        assert scales_zeros[t, g, 0, i] == scales[g, n] and scales_zeros[t, g, 1, i] == zeros[g, n]
 
 
 def test_int8_tiles_hold_every_code_where_the_kernel_reads_it() -> None:
     qweight = (torch.arange(32 * 64).remainder(255) - 127).view(32, 64).to(torch.int8)
-    scales = torch.rand(32)
-    weight_tiles, scales_mins = tiles.tile_int8(qweight, scales)
-    assert weight_tiles.shape == (2, 32, 32) and scales_mins.shape == (2, 1, 2, 16)
+    scales = torch.rand(32).bfloat16()
+    weight_tiles, scales_zeros = tiles.tile_int8(qweight, scales)
+    assert weight_tiles.shape == (2, 32, 32) and scales_zeros.shape == (2, 1, 2, 16)
     for t, p, i in [(0, 0, 0), (1, 5, 3), (1, 31, 15)]:
         n = 16 * t + i
         assert weight_tiles[t, p, 2 * i] == qweight[n, 2 * p]
         assert weight_tiles[t, p, 2 * i + 1] == qweight[n, 2 * p + 1]
-        assert scales_mins[t, 0, 0, i] == scales[n] and scales_mins[t, 0, 1, i] == 0
+        assert scales_zeros[t, 0, 0, i] == scales[n] and scales_zeros[t, 0, 1, i] == 0
 
 
 def test_bad_shapes_are_refused(kernels: ModuleType) -> None:
@@ -103,7 +104,7 @@ def test_bad_shapes_are_refused(kernels: ModuleType) -> None:
         kernels.quant_gemm(torch.zeros(2, 64, dtype=torch.bfloat16), *args, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         kernels.quant_gemm(torch.zeros(2, 128), *args, 32)
-    with pytest.raises(RuntimeError, match="scales_mins"):
+    with pytest.raises(RuntimeError, match="scales_zeros"):
         kernels.quant_gemm(torch.zeros(2, 128, dtype=torch.bfloat16), *args, 64)
     with pytest.raises(RuntimeError, match="tiles"):
         kernels.quant_gemm(

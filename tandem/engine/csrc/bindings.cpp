@@ -40,8 +40,8 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
       "RoPE of q's and k's heads in place (rotate-half convention)");
   m.def(
       "quant_gemm",
-      [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_mins, int64_t group_size) {
-        return quant_gemm(*k, x, tiles, scales_mins, group_size);
+      [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_zeros, int64_t group_size) {
+        return quant_gemm(*k, x, tiles, scales_zeros, group_size);
       },
       "int4 / int8 weight tiles times bfloat16 rows");
   m.def(

@@ -48,7 +48,7 @@ struct QuantGemmArgs {
   const uint16_t* x;  // bfloat16 bits, row m at x + m * stride
   int64_t rows, in, stride;
   const uint8_t* tiles;      // [num_tiles, in / 2, 16 (int4) or 32 (int8)]
-  const float* scales_mins;  // [num_tiles, in / group_size, 2, 16]
+  const uint16_t* scales_zeros;  // bfloat16 bits [num_tiles, in / group_size, 2, 16]
   int64_t num_tiles, group_size;
   bool int4;
   uint16_t* y;  // bfloat16 bits [rows, num_tiles * 16]

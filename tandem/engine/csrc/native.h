@@ -42,7 +42,7 @@ void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src);
 // int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16
 // [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).
 torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor tiles,
-                         torch::Tensor scales_mins, int64_t group_size);
+                         torch::Tensor scales_zeros, int64_t group_size);
 
 // x [rows, in] times weights [out, in] (nn.Linear's layout), plus bias, -> [rows, out], float32 or
 // bfloat16 throughout, a row's result independent of the other rows (row_gemm.cpp,

@@ -10,7 +10,7 @@ constexpr int64_t kTile = 16;  // output channels a tile
 }
 
 torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor tiles,
-                         torch::Tensor scales_mins, int64_t group_size) {
+                         torch::Tensor scales_zeros, int64_t group_size) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   x.scalar_type() == torch::kBFloat16,
               "x: bfloat16 CPU rows [rows, in_features], unit stride within a row");
@@ -26,16 +26,17 @@ torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Te
   TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && in % group_size == 0,
               "group_size must be even and divide in_features");
   const int64_t groups = in / group_size;
-  TORCH_CHECK(scales_mins.is_contiguous() && scales_mins.scalar_type() == torch::kFloat32 &&
-                  scales_mins.dim() == 4 && scales_mins.size(0) == num_tiles &&
-                  scales_mins.size(1) == groups && scales_mins.size(2) == 2 &&
-                  scales_mins.size(3) == kTile && scales_mins.device().is_cpu(),
-              "scales_mins: float32 [out_features / 16, groups, 2, 16] (quant/tiles.py)");
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == torch::kBFloat16 &&
+                  scales_zeros.dim() == 4 && scales_zeros.size(0) == num_tiles &&
+                  scales_zeros.size(1) == groups && scales_zeros.size(2) == 2 &&
+                  scales_zeros.size(3) == kTile && scales_zeros.device().is_cpu(),
+              "scales_zeros: bfloat16 [out_features / 16, groups, 2, 16] (quant/tiles.py)");
   auto y = torch::empty({rows, num_tiles * kTile}, x.options());
   if (rows == 0) return y;
   kernels.quant_gemm({reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, in, x.stride(0),
                       reinterpret_cast<const uint8_t*>(tiles.data_ptr()),
-                      scales_mins.data_ptr<float>(), num_tiles, group_size, int4,
+                      reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()), num_tiles,
+                      group_size, int4,
                       reinterpret_cast<uint16_t*>(y.data_ptr())});
   return y;
 }

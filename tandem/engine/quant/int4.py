@@ -8,7 +8,7 @@ byte j, `[out, in // 2]` uint8; scales and zeros `[out, in // group_size]`.
 Kernels (the layer passes activations in bfloat16, `probe.py`; on CPU the route of each row
 bucket is measured among them and dequantize-then-matmul, `routes.py`):
 - CPU: the native tiled kernel (`tiles.py`, every ISA level), fed the layer's bfloat16 scales
-  and zeros widened to float32; and torch's
+  and zeros; and torch's
   `_convert_weight_to_int4pack_for_cpu(q int32 [out, in], inner_k_tiles)` -> uint8
   `[out, in // 2]` in a blocked layout of its own (inner_k_tiles is ignored), then
   `_weight_int4pack_mm_for_cpu(x, packed, group_size, scales_and_zeros)`; out a multiple of 16.
@@ -183,10 +183,9 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", _scales_and_zeros(weight).to(device))
         self.register_buffer("bias", None if bias is None else bias.to(device, dtype))
         tiled = tiles.supported(device, self.out_features, self.in_features)
-        sz = self.scales_and_zeros.float()  # [groups, out, 2]: the kernel's, widened
-        scale, zero = sz[..., 0], sz[..., 1]
+        sz = self.scales_and_zeros  # [groups, out, 2] bfloat16, as torch's kernels take them
         tiled_weights = (
-            tiles.tile_int4(unpack_codes(self.qweight), scale, zero - 8 * scale)
+            tiles.tile_int4(unpack_codes(self.qweight), sz[..., 0], sz[..., 1])
             if tiled
             else (None, None)
         )
@@ -215,8 +214,8 @@ class Int4Linear(QuantizedLinear):
     def kernel(self) -> RowKernel | None:
         group = self.group_size
         if self.tiles is not None and self.tile_scales is not None:
-            weight_tiles, scales_mins = self.tiles, self.tile_scales
-            return lambda x: tiles.multiply(x, weight_tiles, scales_mins, group)
+            weight_tiles, scales_zeros = self.tiles, self.tile_scales
+            return lambda x: tiles.multiply(x, weight_tiles, scales_zeros, group)
         if self.packed is not None:
             packed, sz = self.packed, self.scales_and_zeros
             return lambda x: _mm(x, packed, group, sz)

@@ -47,6 +47,7 @@ constexpr int64_t kChunk = 16;  // rows multiplied with one decoded tile at most
 // A tile's pair p of int4 codes as 32 bfloat16 (lane i: its channel's two weights).
 struct Int4Pairs {
   static constexpr int64_t kBytes = kTile;  // a pair's bytes in a tile
+  static constexpr float kOffset = 8.0f;    // w = (q - 8) * scale + zero
   static __m512bh decode(const uint8_t* pair) {
     // code c -> the bfloat16 bits of c: 1.0 = 0x3F80, 2^e (1 + f / 128) for the rest
     alignas(64) static const uint16_t kCodes[32] = {
@@ -65,6 +66,7 @@ struct Int4Pairs {
 // A tile's pair p of int8 codes as 32 bfloat16: byte j becomes bfloat16 j.
 struct Int8Pairs {
   static constexpr int64_t kBytes = 2 * kTile;
+  static constexpr float kOffset = 0.0f;  // w = q * scale
   static __m512bh decode(const uint8_t* pair) {
     const __m128i* p = reinterpret_cast<const __m128i*>(pair);
     const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
@@ -82,9 +84,9 @@ struct ChunkRows {
 
 // Rows [m0, m0 + MT) of x against one tile, all groups: y[MT][16] float32 results.
 //   xs: [rows][G] group sums of the rows; tile: [K / 2][Pairs::kBytes] bytes;
-//   sm: [G][2][16] float32 (scale, min) of its channels
+//   sz: [G][2][16] bfloat16 (scale, zero) of its channels
 template <typename Pairs, int MT>
-void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const float* sm,
+void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const uint16_t* sz,
                int64_t m0, int64_t pairs, int64_t group_pairs, float* y) {
   const uint16_t* row[MT];
   for (int m = 0; m < MT; ++m) row[m] = x.x + (m0 + m) * x.stride;
@@ -102,11 +104,11 @@ void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const f
         acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(inputs));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(sm + g * 2 * kTile);
-    const __m512 min = _mm512_loadu_ps(sm + g * 2 * kTile + kTile);
+    const simd::Vec scale = simd::load(sz + g * 2 * kTile);
+    const simd::Vec min = simd::load(sz + g * 2 * kTile + kTile) - Pairs::kOffset * scale;
     for (int m = 0; m < MT; ++m) {
-      out[m] = _mm512_fmadd_ps(acc[m], scale, out[m]);
-      out[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(m0 + m) * groups + g]), min, out[m]);
+      out[m] = _mm512_fmadd_ps(acc[m], (__m512)scale, out[m]);
+      out[m] = _mm512_fmadd_ps(_mm512_set1_ps(xs[(m0 + m) * groups + g]), (__m512)min, out[m]);
     }
   }
   for (int m = 0; m < MT; ++m) _mm512_storeu_ps(y + m * kTile, out[m]);
@@ -127,6 +129,7 @@ constexpr int64_t kChunk = rows_that_fit(TANDEM_VEC_REGISTERS - 2 * kVecs - 2);
 // A tile's pair p of int4 codes as float32: the channels' weights of input 2p, of 2p + 1.
 struct Int4Pairs {
   static constexpr int64_t kBytes = kTile;
+  static constexpr float kOffset = 8.0f;
   static void decode(const uint8_t* pair, simd::Vec (&even)[kVecs], simd::Vec (&odd)[kVecs]) {
     for (int v = 0; v < kVecs; ++v) {
       const simd::IVec codes = simd::widen_bytes(pair + v * simd::kWidth);
@@ -139,6 +142,7 @@ struct Int4Pairs {
 // A tile's pair p of int8 codes as float32: lane i's two bytes are its inputs 2p and 2p + 1.
 struct Int8Pairs {
   static constexpr int64_t kBytes = 2 * kTile;
+  static constexpr float kOffset = 0.0f;
   static void decode(const uint8_t* pair, simd::Vec (&even)[kVecs], simd::Vec (&odd)[kVecs]) {
     for (int v = 0; v < kVecs; ++v) {
       // lane i: byte 2i in the low half, byte 2i + 1 in the high half
@@ -162,7 +166,7 @@ struct ChunkRows {
 };
 
 template <typename Pairs, int MT>
-void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const float* sm,
+void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const uint16_t* sz,
                int64_t m0, int64_t pairs, int64_t group_pairs, float* y) {
   const float* row[MT];
   for (int m = 0; m < MT; ++m) row[m] = x.x.data() + (m0 + m) * x.in;
@@ -186,8 +190,9 @@ void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const f
       }
     }
     for (int v = 0; v < kVecs; ++v) {
-      const simd::Vec scale = simd::load(sm + g * 2 * kTile + v * simd::kWidth);
-      const simd::Vec min = simd::load(sm + g * 2 * kTile + kTile + v * simd::kWidth);
+      const simd::Vec scale = simd::load(sz + g * 2 * kTile + v * simd::kWidth);
+      const simd::Vec min =
+          simd::load(sz + g * 2 * kTile + kTile + v * simd::kWidth) - Pairs::kOffset * scale;
       for (int m = 0; m < MT; ++m) {
         out[m][v] += acc[m][v] * scale;
         out[m][v] += xs[(m0 + m) * groups + g] * min;
@@ -200,8 +205,8 @@ void tile_rows(const ChunkRows& x, const float* xs, const uint8_t* tile, const f
 
 #endif
 
-using TileRows = void (*)(const ChunkRows&, const float*, const uint8_t*, const float*, int64_t,
-                          int64_t, int64_t, float*);
+using TileRows = void (*)(const ChunkRows&, const float*, const uint8_t*, const uint16_t*,
+                          int64_t, int64_t, int64_t, float*);
 
 // The rows go through as chunks of kChunk, then of its halves down to 1 for the rest.
 constexpr int64_t chunk_size(int i) { return kChunk >> i > 0 ? kChunk >> i : 1; }
@@ -221,12 +226,12 @@ void multiply(const QuantGemmArgs& a) {
     alignas(64) float result[kChunk * kTile];
     for (int64_t t = begin; t < end; ++t) {
       const uint8_t* tile = a.tiles + t * pairs * Pairs::kBytes;
-      const float* tile_sm = a.scales_mins + t * groups * 2 * kTile;
+      const uint16_t* tile_sz = a.scales_zeros + t * groups * 2 * kTile;
       int64_t m0 = 0;
       for (int i = 0; m0 < a.rows; ++i) {
         const int64_t mt = chunk_size(i);
         for (; m0 + mt <= a.rows; m0 += mt) {
-          kKernels[i](x, xs.data(), tile, tile_sm, m0, pairs, a.group_size / 2, result);
+          kKernels[i](x, xs.data(), tile, tile_sz, m0, pairs, a.group_size / 2, result);
           for (int64_t m = 0; m < mt; ++m)
             for (int64_t i = 0; i < kTile; i += simd::kWidth)
               simd::store_bf16(a.y + (m0 + m) * out_features + t * kTile + i,
