@@ -178,6 +178,7 @@ def test_a_table_is_per_machine_identity(home: Path, monkeypatch: pytest.MonkeyP
         ("model", "1"),
         ("native_level", "avx2"),
         ("torch", "0.0"),
+        ("torch_cpu", "AVX2"),
         ("threads", "7"),
         ("isa_flags", "avx2 fma"),
     ]:
