@@ -5,17 +5,20 @@
 
 #include "isa.h"
 
+// Lean headers (a translation unit with torch/extension.h compiles in ~22 s, with these in ~8);
+// bindings.cpp alone includes torch/extension.h, for the tensor type casters.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <pybind11/numpy.h>
-#include <torch/extension.h>
 
 #include <cstdint>
 #include <optional>
 
 // Short-query attention over a paged KV cache (kernels/attention.h).
-torch::Tensor paged_attention(const isa::Kernels& kernels, torch::Tensor q,
-                              torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor context_lens,
-                              torch::Tensor query_starts, int64_t head_dim, double scale);
+at::Tensor paged_attention(const isa::Kernels& kernels, at::Tensor q,
+                              at::Tensor key_cache, at::Tensor value_cache,
+                              at::Tensor block_tables, at::Tensor context_lens,
+                              at::Tensor query_starts, int64_t head_dim, double scale);
 
 // Row indices: contiguous int64 (another array is converted on the way in).
 using RowIndex = pybind11::array_t<int64_t, pybind11::array::c_style | pybind11::array::forcecast>;
@@ -28,24 +31,24 @@ void copy_rows(pybind11::buffer dst, std::optional<RowIndex> dst_rows,
 // The elementwise work of a decoder layer (layer_ops.cpp, kernels/layer_ops.h): 2-D float32 /
 // bfloat16 / float16 tensors, rows at any stride.
 // RMSNorm of x's rows into a new tensor of `dtype`; with `delta`, x (float32) += delta first.
-torch::Tensor rms_norm(const isa::Kernels& kernels, torch::Tensor x,
-                       std::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
-                       torch::ScalarType dtype);
+at::Tensor rms_norm(const isa::Kernels& kernels, at::Tensor x,
+                       std::optional<at::Tensor> delta, at::Tensor weight, double eps,
+                       at::ScalarType dtype);
 // silu(gate) * up for gate_up = [gate | up] along the columns.
-torch::Tensor silu_mul(const isa::Kernels& kernels, torch::Tensor gate_up);
+at::Tensor silu_mul(const isa::Kernels& kernels, at::Tensor gate_up);
 // RoPE (rotate-half convention) of q's and k's heads in place, cos / sin [rows, head_dim].
-void rotary(const isa::Kernels& kernels, torch::Tensor q, torch::Tensor k, torch::Tensor cos,
-            torch::Tensor sin, int64_t head_dim);
+void rotary(const isa::Kernels& kernels, at::Tensor q, at::Tensor k, at::Tensor cos,
+            at::Tensor sin, int64_t head_dim);
 // dst[index[i]] = src[i] over whole rows (KV slots), same element size.
-void scatter_rows(torch::Tensor dst, torch::Tensor index, torch::Tensor src);
+void scatter_rows(at::Tensor dst, at::Tensor index, at::Tensor src);
 
 // int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16
 // [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).
-torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor tiles,
-                         torch::Tensor scales_zeros, int64_t group_size);
+at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tiles,
+                         at::Tensor scales_zeros, int64_t group_size);
 
 // x [rows, in] times weights [out, in] (nn.Linear's layout), plus bias, -> [rows, out], float32 or
 // bfloat16 throughout, a row's result independent of the other rows (row_gemm.cpp,
 // kernels/row_gemm.h).
-torch::Tensor row_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor weight,
-                       std::optional<torch::Tensor> bias);
+at::Tensor row_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor weight,
+                       std::optional<at::Tensor> bias);

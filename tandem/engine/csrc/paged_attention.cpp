@@ -3,16 +3,14 @@
 
 #include "native.h"
 
-#include <torch/extension.h>
-
-torch::Tensor paged_attention(const isa::Kernels& kernels, torch::Tensor q,
-                              torch::Tensor key_cache, torch::Tensor value_cache,
-                              torch::Tensor block_tables, torch::Tensor context_lens,
-                              torch::Tensor query_starts, int64_t head_dim, double scale) {
+at::Tensor paged_attention(const isa::Kernels& kernels, at::Tensor q,
+                              at::Tensor key_cache, at::Tensor value_cache,
+                              at::Tensor block_tables, at::Tensor context_lens,
+                              at::Tensor query_starts, int64_t head_dim, double scale) {
   const auto qtype = q.scalar_type();
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 2 && q.stride(1) == 1 &&
-                  (qtype == torch::kFloat32 || qtype == torch::kBFloat16 ||
-                   qtype == torch::kFloat16),
+                  (qtype == at::kFloat || qtype == at::kBFloat16 ||
+                   qtype == at::kHalf),
               "q: float32, bfloat16 or float16 rows on CPU, [num_tokens, num_heads * head_dim] "
               "with unit stride within a row");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
@@ -21,12 +19,12 @@ torch::Tensor paged_attention(const isa::Kernels& kernels, torch::Tensor q,
                   key_cache.scalar_type() == value_cache.scalar_type(),
               "key/value cache: contiguous CPU [num_blocks, block_size, num_kv_heads, slot_dim]");
   const auto cache_dtype = key_cache.scalar_type();
-  TORCH_CHECK(cache_dtype == torch::kFloat32 || cache_dtype == torch::kBFloat16 ||
-                  cache_dtype == torch::kFloat16 || cache_dtype == torch::kInt8 ||
-                  cache_dtype == torch::kFloat8_e4m3fn,
+  TORCH_CHECK(cache_dtype == at::kFloat || cache_dtype == at::kBFloat16 ||
+                  cache_dtype == at::kHalf || cache_dtype == at::kChar ||
+                  cache_dtype == at::kFloat8_e4m3fn,
               "unsupported KV cache dtype ", cache_dtype);
   for (const auto* t : {&block_tables, &context_lens, &query_starts}) {
-    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "int64 metadata");
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "int64 metadata");
   }
   TORCH_CHECK(query_starts.size(0) == block_tables.size(0) + 1 &&
                   context_lens.size(0) == block_tables.size(0),
@@ -35,8 +33,8 @@ torch::Tensor paged_attention(const isa::Kernels& kernels, torch::Tensor q,
               isa::kMaxAttentionBlockSize);
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK((q.size(1) / head_dim) % num_kv_heads == 0, "query heads per KV head");
-  auto out = torch::empty(q.sizes(), q.options());
-  const auto rows = [](const torch::Tensor& t) {
+  auto out = at::empty(q.sizes(), q.options());
+  const auto rows = [](const at::Tensor& t) {
     return isa::Rows{t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.scalar_type()};
   };
   kernels.paged_attention({rows(q), rows(out), key_cache.data_ptr(), value_cache.data_ptr(),

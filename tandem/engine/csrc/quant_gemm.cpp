@@ -3,19 +3,17 @@
 
 #include "native.h"
 
-#include <torch/extension.h>
-
 namespace {
 constexpr int64_t kTile = 16;  // output channels a tile
 }
 
-torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor tiles,
-                         torch::Tensor scales_zeros, int64_t group_size) {
+at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tiles,
+                         at::Tensor scales_zeros, int64_t group_size) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
-                  x.scalar_type() == torch::kBFloat16,
+                  x.scalar_type() == at::kBFloat16,
               "x: bfloat16 CPU rows [rows, in_features], unit stride within a row");
-  const bool int4 = tiles.scalar_type() == torch::kUInt8;
-  TORCH_CHECK((int4 || tiles.scalar_type() == torch::kInt8) && tiles.dim() == 3 &&
+  const bool int4 = tiles.scalar_type() == at::kByte;
+  TORCH_CHECK((int4 || tiles.scalar_type() == at::kChar) && tiles.dim() == 3 &&
                   tiles.size(2) == (int4 ? kTile : 2 * kTile) && tiles.is_contiguous() &&
                   tiles.device().is_cpu(),
               "tiles: uint8 [out_features / 16, in_features / 2, 16] (int4) or int8 "
@@ -26,12 +24,12 @@ torch::Tensor quant_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Te
   TORCH_CHECK(group_size >= 2 && group_size % 2 == 0 && in % group_size == 0,
               "group_size must be even and divide in_features");
   const int64_t groups = in / group_size;
-  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == torch::kBFloat16 &&
+  TORCH_CHECK(scales_zeros.is_contiguous() && scales_zeros.scalar_type() == at::kBFloat16 &&
                   scales_zeros.dim() == 4 && scales_zeros.size(0) == num_tiles &&
                   scales_zeros.size(1) == groups && scales_zeros.size(2) == 2 &&
                   scales_zeros.size(3) == kTile && scales_zeros.device().is_cpu(),
               "scales_zeros: bfloat16 [out_features / 16, groups, 2, 16] (quant/tiles.py)");
-  auto y = torch::empty({rows, num_tiles * kTile}, x.options());
+  auto y = at::empty({rows, num_tiles * kTile}, x.options());
   if (rows == 0) return y;
   kernels.quant_gemm({reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, in, x.stride(0),
                       reinterpret_cast<const uint8_t*>(tiles.data_ptr()),

@@ -3,12 +3,10 @@
 
 #include "native.h"
 
-#include <torch/extension.h>
-
-torch::Tensor row_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tensor weight,
-                       std::optional<torch::Tensor> bias) {
+at::Tensor row_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor weight,
+                       std::optional<at::Tensor> bias) {
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16,
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "weight: float32 or bfloat16, got ", dtype);
   TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 2 && weight.is_contiguous(),
               "weight: a contiguous 2-D CPU tensor");
@@ -18,14 +16,14 @@ torch::Tensor row_gemm(const isa::Kernels& kernels, torch::Tensor x, torch::Tens
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0) &&
                         bias->scalar_type() == dtype && bias->device().is_cpu()),
               "bias: one value per output, of the weight's dtype");
-  const torch::Tensor input = x.contiguous();
-  torch::Tensor y =
-      torch::empty({input.size(0), weight.size(0)}, input.options().dtype(torch::kFloat32));
+  const at::Tensor input = x.contiguous();
+  at::Tensor y =
+      at::empty({input.size(0), weight.size(0)}, input.options().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release release;
     kernels.row_gemm(input.data_ptr(), weight.data_ptr(), y.data_ptr<float>(), input.size(0),
-                     input.size(1), weight.size(0), dtype == torch::kBFloat16);
+                     input.size(1), weight.size(0), dtype == at::kBFloat16);
   }
-  if (bias) y.add_(bias->to(torch::kFloat32));  // in float32, before the one rounding
-  return dtype == torch::kFloat32 ? y : y.to(dtype);
+  if (bias) y.add_(bias->to(at::kFloat));  // in float32, before the one rounding
+  return dtype == at::kFloat ? y : y.to(dtype);
 }
