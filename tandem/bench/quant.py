@@ -96,7 +96,7 @@ TARGET_INT8_VS_BF16 = 1.6
 TARGET_INT4_VS_BF16 = 2.0
 TARGET_INT4_VS_LLAMA_CPP = 1.0
 TARGET_OF_ROOFLINE = {FP32: 0.7, BF16: 0.7, "int8": 0.7, "int4": 0.5}
-TARGET_OF_KERNEL_FLOOR = 0.85
+TARGET_OF_KERNEL_FLOOR = {FP32: 0.85, BF16: 0.85, "int8": 0.85, "int4": 0.85}
 TARGET_BATCH_VS_BF16 = 1.0  # each quantized format at the largest batch
 TARGET_KV_INT8_OF_BF16 = 0.55  # at most
 
@@ -652,24 +652,19 @@ def check_targets(
     if llama is not None and ("int4", 1) in tok_s:
         value = tok_s["int4", 1] / llama
         targets.append(target_result("int4 batch 1: / llama.cpp", value, TARGET_INT4_VS_LLAMA_CPP))
-    for row in rooflines:
-        if row["engine_b1_of_roofline"] is not None:
-            targets.append(
-                target_result(
-                    f"{row['format']} batch 1: of its memory roofline",
-                    row["engine_b1_of_roofline"],
-                    TARGET_OF_ROOFLINE[row["format"]],
-                )
-            )
-    for floor in floors:
-        if floor["engine_b1_of_floor"] is not None:
-            targets.append(
-                target_result(
-                    f"{floor['format']} batch 1: of its kernel floor",
-                    floor["engine_b1_of_floor"],
-                    TARGET_OF_KERNEL_FLOOR,
-                )
-            )
+    fractions = [
+        *(
+            (r["format"], "memory roofline", r["engine_b1_of_roofline"], TARGET_OF_ROOFLINE)
+            for r in rooflines
+        ),
+        *(
+            (f["format"], "kernel floor", f["engine_b1_of_floor"], TARGET_OF_KERNEL_FLOOR)
+            for f in floors
+        ),
+    ]
+    for fmt, limit, fraction, least in fractions:
+        if fraction is not None:
+            targets.append(target_result(f"{fmt} batch 1: of its {limit}", fraction, least[fmt]))
     largest = max(config.batch_sizes)
     for fmt in QUANT_METHODS:
         if largest > 1 and (fmt, largest) in tok_s and (BF16, largest) in tok_s:
