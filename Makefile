@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[dev]"
-	$(PY) -c 'from tandem.engine.native import extension; print("native CPU extension (attention, KV copies):", "built" if extension() else "unavailable, portable paths")'
+	$(PY) -c 'from tandem.engine import native; lib = native.library(); print("native CPU extension:", f"built for {list(lib.levels)}; this CPU runs {lib.cpu_level}" if lib else "unavailable, portable paths")'
 	touch $(STAMP)
 
 serve: install
