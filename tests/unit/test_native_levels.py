@@ -10,7 +10,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -48,16 +47,24 @@ def test_a_level_above_the_cpu_is_refused() -> None:
             native.extension(level)
 
 
-@pytest.mark.parametrize("cap", ["generic", "avx2", "avx512", "avx512bf16", "amx"])
-def test_the_cap_picks_the_level(cap: str) -> None:
-    """A child process with TANDEM_NATIVE_ISA set uses min(cap, CPU); amx caps as avx512bf16."""
+@pytest.mark.parametrize("cap", ["generic", "avx2", "avx512", "avx512bf16", "amx", None])
+def test_the_cap_picks_the_level(monkeypatch: pytest.MonkeyPatch, cap: str | None) -> None:
+    """With TANDEM_NATIVE_ISA set a process uses min(cap, CPU) (amx caps as avx512bf16), without
+    it the CPU's own level; the level is decided once a process (`level_in_use` is cached: the
+    cache is cleared here to decide it again)."""
     runnable = native.runnable_levels()
-    code = "from tandem.engine import native; print(native.level_in_use())"
-    env = {"TANDEM_NATIVE_ISA": cap, "PATH": "/usr/bin:/bin"}
-    got = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    ceiling = min(config.NATIVE_ISA_LEVELS.index(cap), len(native.LEVELS) - 1)
+    if cap is None:
+        monkeypatch.delenv("TANDEM_NATIVE_ISA", raising=False)
+    else:
+        monkeypatch.setenv("TANDEM_NATIVE_ISA", cap)
+    native.level_in_use.cache_clear()
+    try:
+        got = native.level_in_use()
+    finally:
+        native.level_in_use.cache_clear()
+    ceiling = len(native.LEVELS) - 1
+    if cap is not None:
+        ceiling = min(config.NATIVE_ISA_LEVELS.index(cap), ceiling)
     want = [level for level in runnable if native.LEVELS.index(level) <= ceiling][-1]
     assert got == want
 
