@@ -81,13 +81,12 @@ def models_list() -> None:
 
     table = Table("catalogue name", "source", "local")
     local = set(hub.list_local())
-    for name, entry in hub.CATALOGUE.items():
-        path = hub.models_dir() / entry.filename
-        table.add_row(name, entry.requirement, str(path) if path in local else "-")
+    pulled = [hub.models_dir() / e.filename for e in hub.CATALOGUE.values()]
+    for (name, entry), path in zip(hub.CATALOGUE.items(), pulled, strict=True):
+        table.add_row(name, entry.requirement, "yes" if path in local else "-")
     console.print(table)
-    others = sorted(local - {hub.models_dir() / e.filename for e in hub.CATALOGUE.values()})
-    for path in others:
-        console.print(f"also local: {path}")
+    for path in sorted(local):  # whole, on a line each: a table cell would cut a long path
+        console.print(f"{'local' if path in pulled else 'also local'}: {path}", soft_wrap=True)
 
 
 @app.command()
