@@ -72,9 +72,9 @@ FLAGS = (
     if X86_64
     else ("-O3", "-march=native", "-fopenmp", "-Wno-psabi")
 )
-# The levels, lowest first (`isa::Level`); "amx" caps like avx512bf16 (no kernels of its own:
-# torch's oneDNN already takes AMX for bfloat16 products of prompt length).
-LEVELS = ("generic", "avx2", "avx512", "avx512bf16")
+# The levels built, lowest first (`isa::Level`): the caps config takes but "amx", which caps like
+# avx512bf16 (no kernels of its own: torch's oneDNN takes AMX for bfloat16 prompt products).
+LEVELS = tuple(level for level in config.NATIVE_ISA_LEVELS if level != "amx")
 
 
 def _cpu_features() -> str:
@@ -114,7 +114,7 @@ def extension(level: str | None = None) -> ModuleType | None:
         level = level_in_use()
     if level not in lib.levels:
         raise ValueError(f"no kernels for level {level!r} here; built: {list(lib.levels)}")
-    if LEVELS.index(level) > LEVELS.index(lib.cpu_level):
+    if level not in runnable_levels():
         raise ValueError(f"this CPU runs up to {lib.cpu_level!r}, not {level!r}")
     module: ModuleType = getattr(lib, level)
     return module

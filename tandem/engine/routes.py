@@ -45,7 +45,7 @@ from typing import Protocol
 
 import torch
 
-from tandem.config import KERNEL_ROUTE_NAMES, KERNEL_ROUTE_POLICIES, tandem_home
+from tandem.config import KERNEL_ROUTE_NAMES, tandem_home
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ CANDIDATES = {
     "int4": ("quant_gemm", "torch_packed", "dequant", "dequant_fp32"),
 }
 ROUTE_NAMES = frozenset(KERNEL_ROUTE_NAMES)
-POLICIES = KERNEL_ROUTE_POLICIES
 assert all(name in ROUTE_NAMES for names in CANDIDATES.values() for name in names)
 MIN_GAIN = 0.10  # a measured route replaces the default when at least this much faster
 REPEATS = 5
@@ -102,6 +101,12 @@ def default_route(kind: str, rows: int) -> str:
         return "row_gemm" if rows <= INVARIANT_ROWS else "f_linear"
     limit = 32 if kind == "int8" else 128  # torch's packed kernels used to run up to these
     return "quant_gemm" if rows <= limit else "dequant"
+
+
+def default_of(kind: str, rows: int, options: list[str]) -> str:
+    """`default_route`, or the first of `options` where the layer lacks it."""
+    default = default_route(kind, rows)
+    return default if default in options else options[0]
 
 
 def candidates(kind: str, rows: int, exact: bool, available: frozenset[str]) -> list[str]:
@@ -277,8 +282,7 @@ def measure(layer: Routed, exact: bool) -> dict:
     timings: dict[str, dict[str, float]] = {}
     for rows in bucket_rows():
         options = candidates(kind, rows, exact, available)
-        default = default_route(kind, rows)
-        default = default if default in options else options[0]
+        default = default_of(kind, rows, options)
         x = torch.randn(rows, layer.in_features, generator=gen).to(layer.activation_dtype)
         times = _medians_us({name: layer.route_call(name) for name in options}, x)
         fastest = min(times, key=lambda n: times[n])
@@ -288,7 +292,7 @@ def measure(layer: Routed, exact: bool) -> dict:
     return {"routes": names, "us": timings}
 
 
-def bind(layers: list[Routed], policy: str, exact: bool, num_threads: int | None = None) -> None:
+def bind(layers: list[Routed], policy: str, exact: bool) -> None:
     """Give every layer its routes under `policy` (the module docstring); layers on other devices
     or of dtypes without routes (route_kind None) keep their fallback."""
     layers = [layer for layer in layers if layer.route_kind is not None]
@@ -296,34 +300,35 @@ def bind(layers: list[Routed], policy: str, exact: bool, num_threads: int | None
         return
     if policy == "default" or policy in ROUTE_NAMES:
         for layer in layers:
-            assert layer.route_kind is not None
-            available = layer.available_routes()
+            kind, available = layer.route_kind, layer.available_routes()
+            assert kind is not None
             names = []
             for rows in bucket_rows():
-                options = candidates(layer.route_kind, rows, exact, available)
-                default = default_route(layer.route_kind, rows)
-                name = policy if policy in options else default
-                names.append(name if name in options else options[0])
-            _assign(layer, RouteSet(tuple(names)))
+                options = candidates(kind, rows, exact, available)
+                names.append(policy if policy in options else default_of(kind, rows, options))
+            layer.set_routes(RouteSet(tuple(names)))
         return
-    identity = machine_identity(num_threads)
+    identity = machine_identity()
     path = table_path(identity)
+
+    def key_of(layer: Routed) -> str:  # a shape class, and whether exactness restricted it
+        return f"{layer.shape_key}{' exact' if exact else ''}"
+
     with _locked(path):
         entries = read_table(path, identity)
-        changed = False
+        measured: set[str] = set()
         for layer in layers:
-            key = f"{layer.shape_key}{' exact' if exact else ''}"
-            if policy == "probe" or key not in entries:
+            key = key_of(layer)
+            if key not in measured and (policy == "probe" or key not in entries):
                 entries[key] = measure(layer, exact)
-                changed = True
-        if changed:
+                measured.add(key)
+        if measured:
             write_table(path, identity, entries)
     seen: dict[str, str] = {}
     for layer in layers:
-        key = f"{layer.shape_key}{' exact' if exact else ''}"
-        routes = RouteSet(tuple(entries[key]["routes"]))
-        _assign(layer, routes)
-        seen[key] = routes.describe()
+        chosen = RouteSet(tuple(entries[key_of(layer)]["routes"]))
+        layer.set_routes(chosen)
+        seen[key_of(layer)] = chosen.describe()
     log.info(
         "kernel routes (%s, table %s):\n  %s",
         identity["native_level"],
@@ -339,7 +344,3 @@ def describe(products: list[Routed]) -> dict[str, str]:
         if product.chosen is not None:
             found.setdefault(product.shape_key, product.chosen.describe())
     return found
-
-
-def _assign(layer: Routed, routes: RouteSet) -> None:
-    layer.set_routes(routes)

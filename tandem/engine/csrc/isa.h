@@ -43,7 +43,10 @@ struct AttentionArgs {
   float scale;
 };
 
-// int4 / int8 weight tiles times bfloat16 rows (kernels/quant_gemm.h, quant/tiles.py).
+// int4 / int8 weight tiles times bfloat16 rows (kernels/quant_gemm.h, quant/tiles.py), tiles of
+// kQuantTile output channels.
+constexpr int64_t kQuantTile = 16;
+
 struct QuantGemmArgs {
   const uint16_t* x;  // bfloat16 bits, row m at x + m * stride
   int64_t rows, in, stride;

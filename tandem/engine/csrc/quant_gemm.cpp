@@ -4,7 +4,7 @@
 #include "native.h"
 
 namespace {
-constexpr int64_t kTile = 16;  // output channels a tile
+constexpr int64_t kTile = isa::kQuantTile;  // output channels a tile
 }
 
 at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tiles,

@@ -38,5 +38,4 @@ def load_model(
         quantize_model(model, quantization, quant_group_size, direct)
     if device.type == "cpu":
         routes.bind(model.routed_products(), kernel_routes, exact=dtype == torch.bfloat16)
-        model.drop_decode_plan()
     return model.eval()

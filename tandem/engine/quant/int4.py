@@ -191,11 +191,7 @@ class Int4Linear(QuantizedLinear):
         )
         self.register_buffer("tiles", tiled_weights[0])
         self.register_buffer("tile_scales", tiled_weights[1])
-        torch_kernel = (
-            not tiled
-            and _kernel_fits(device, self.out_features, self.in_features)
-            and kernel_works(device, self.group_size)
-        )
+        torch_kernel = not tiled and self.torch_kernel_runs()
         self.register_buffer("packed", _pack(self.qweight) if torch_kernel else None)
         self.use_kernel = tiled or torch_kernel
 
@@ -212,21 +208,19 @@ class Int4Linear(QuantizedLinear):
         return self.group_size
 
     def kernel(self) -> RowKernel | None:
-        group = self.group_size
-        if self.tiles is not None and self.tile_scales is not None:
-            weight_tiles, scales_zeros = self.tiles, self.tile_scales
-            return lambda x: tiles.multiply(x, weight_tiles, scales_zeros, group)
-        if self.packed is not None:
-            packed, sz = self.packed, self.scales_and_zeros
-            return lambda x: _mm(x, packed, group, sz)
-        return None
+        tile_kernel = self.tile_kernel()
+        if tile_kernel is not None or self.packed is None:
+            return tile_kernel
+        return self.torch_kernel()
+
+    def torch_kernel_runs(self) -> bool:
+        device = self.qweight.device
+        return _kernel_fits(device, self.out_features, self.in_features) and kernel_works(
+            device, self.group_size
+        )
 
     def torch_kernel(self) -> RowKernel | None:
-        device = self.qweight.device
-        if not (
-            _kernel_fits(device, self.out_features, self.in_features)
-            and kernel_works(device, self.group_size)
-        ):
+        if not self.torch_kernel_runs():
             return None
         if self.packed is None:
             self.packed = _pack(self.qweight)

@@ -98,13 +98,13 @@ class Int8Linear(QuantizedLinear):
         return self.qweight.to(dtype) * self.scales.to(dtype)[:, None]
 
     def kernel(self) -> RowKernel | None:
-        if self.tiles is not None and self.tile_scales is not None:
-            weight_tiles, scales, group = self.tiles, self.tile_scales, self.in_features
-            return lambda x: tiles.multiply(x, weight_tiles, scales, group)
-        return self.torch_kernel()
+        return self.tile_kernel() or self.torch_kernel()
+
+    def torch_kernel_runs(self) -> bool:
+        return kernel_works(self.qweight.device)
 
     def torch_kernel(self) -> RowKernel | None:
-        if not kernel_works(self.qweight.device):
+        if not self.torch_kernel_runs():
             return None
         qweight, scales, mm = self.qweight, self.scales, torch.ops.aten._weight_int8pack_mm
         return lambda x: mm(x, qweight, scales)

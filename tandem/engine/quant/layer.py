@@ -43,9 +43,20 @@ class QuantizedLinear(nn.Module):
         `KERNEL_DTYPE`; None where there is none."""
 
     @abstractmethod
+    def torch_kernel_runs(self) -> bool:
+        """Whether torch's packed weight-only kernel runs for this layer on its device."""
+
+    @abstractmethod
     def torch_kernel(self) -> RowKernel | None:
         """torch's packed weight-only kernel on this layer's weights (packed on first use), or
         None where it does not run."""
+
+    def tile_kernel(self) -> RowKernel | None:
+        """The native tiles' kernel on this layer's tiles, or None where there are none."""
+        weight_tiles, scales_zeros, group = self.tiles, self.tile_scales, self.tile_group
+        if weight_tiles is None or scales_zeros is None:
+            return None
+        return lambda x: tiles.multiply(x, weight_tiles, scales_zeros, group)
 
     @abstractmethod
     def drop_packed(self) -> None:
@@ -82,7 +93,7 @@ class QuantizedLinear(nn.Module):
         names = {"dequant", "dequant_fp32"}
         if self.tiles is not None:
             names.add("quant_gemm")
-        if self.torch_kernel() is not None:
+        if self.torch_kernel_runs():
             names.add("torch_packed")
         return frozenset(names)
 
@@ -100,11 +111,7 @@ class QuantizedLinear(nn.Module):
 
     def kernel_of(self, name: str) -> RowKernel:
         """The native tiles' kernel or torch's packed one, on bfloat16 rows."""
-        if name == "quant_gemm":
-            weight_tiles, scales, group = self.tiles, self.tile_scales, self.tile_group
-            assert weight_tiles is not None and scales is not None
-            return lambda x: tiles.multiply(x, weight_tiles, scales, group)
-        kernel = self.torch_kernel()
+        kernel = self.tile_kernel() if name == "quant_gemm" else self.torch_kernel()
         assert kernel is not None
         return kernel
 

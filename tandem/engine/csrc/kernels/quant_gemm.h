@@ -28,7 +28,7 @@
 
 namespace quant_gemm {
 
-constexpr int64_t kTile = 16;  // output channels a tile: one Vec of results
+constexpr int64_t kTile = kQuantTile;  // output channels a tile
 
 // Sums of each group of `group_size` inputs of a row, in float32.
 inline void group_sums(const uint16_t* row, int64_t in, int64_t group_size, float* sums) {
