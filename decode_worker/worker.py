@@ -34,9 +34,9 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Role
+from tandem.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams
 
 ON_TRANSFER_FAILURE = ("local", "fail")
 

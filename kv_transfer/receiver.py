@@ -41,7 +41,7 @@ from kv_transfer.wire import (
     parse_chunk,
     tensor_from_proto,
 )
-from tandem.engine.sampler import TokenLogprobs
+from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)

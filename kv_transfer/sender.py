@@ -33,7 +33,7 @@ from kv_transfer.shm import SharedCacheAttachments
 from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
 from kv_transfer.wire import GRPC_OPTIONS, PUSH_METHOD, first_token_to_proto, tensor_to_proto
-from tandem.engine.sampler import TokenLogprobs
+from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 

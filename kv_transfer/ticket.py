@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from tandem.config import DTYPES, KV_CACHE_DTYPES
+from tandem.engine.dtypes import KV_TORCH_DTYPES, TORCH_DTYPES
 from tandem.engine.kv_quant import head_dim_of, slot_dim, slot_nbytes
-from tandem.engine.models.config import ModelConfig
+from tandem.model_config import ModelConfig
 from tandem.v1 import kv_transfer_pb2 as pb
 
-CACHE_DTYPES = DTYPES | KV_CACHE_DTYPES  # a KV cache's dtype by name: float, int8, fp8
+CACHE_DTYPES = TORCH_DTYPES | KV_TORCH_DTYPES  # a KV cache's dtype by name: float, int8, fp8
 _CACHE_DTYPE_NAMES = {v: k for k, v in CACHE_DTYPES.items()}
 
 

@@ -15,8 +15,8 @@ import torch
 from google.protobuf.message import DecodeError
 
 from kv_transfer.layout import as_bytes, from_bytes
-from tandem.config import DTYPES
-from tandem.engine.sampler import TokenLogprobs
+from tandem.engine.dtypes import TORCH_DTYPES
+from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -135,7 +135,7 @@ def first_token_from_proto(msg: pb.FirstToken) -> tuple[int, TokenLogprobs | Non
 
 
 # dtypes of the trailer's `extras` (a proposer's state: float hidden states, integer positions)
-TENSOR_DTYPES = DTYPES | {"int64": torch.int64, "int32": torch.int32}
+TENSOR_DTYPES = TORCH_DTYPES | {"int64": torch.int64, "int32": torch.int32}
 _TENSOR_DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
 
 

@@ -24,8 +24,8 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Role
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

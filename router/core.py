@@ -31,12 +31,13 @@ from router.admission import Admission
 from router.errors import ErrorKind, RouterError, invalid
 from router.policies import PickContext, make_policy
 from tandem import hub
-from tandem.engine.detokenizer import IncrementalDetokenizer
-from tandem.engine.models.loader import load_config, load_tokenizer
-from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.detokenizer import IncrementalDetokenizer
 from tandem.messages import logprobs_from_proto, sampling_to_proto
+from tandem.model_config import load_config
+from tandem.outputs import TokenLogprobs
 from tandem.registry import RegistrySnapshot, WorkerRecord
+from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.tokenizer import load_tokenizer
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
 
@@ -138,7 +139,7 @@ class Router:
         if sum(given) != 1:
             raise invalid("give exactly one of prompt, prompt token ids or messages", "prompt")
         if prompt is not None:
-            tokens = list(self.tokenizer(prompt)["input_ids"])
+            tokens = self.tokenizer.encode(prompt)
         elif messages is not None:
             tokens = self._chat_tokens(messages)
         else:
@@ -175,12 +176,10 @@ class Router:
                     "messages",
                 )
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=True, tokenize=False
-            )
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ValueError as e:  # e.g. a model without a chat template
             raise invalid(f"messages cannot be rendered for this model: {e}", "messages") from None
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- generate -----------------------------------------------------------------------------
 

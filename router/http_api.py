@@ -23,8 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.core import Delta, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.metrics import RouterMetrics
-from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams
 
 
 class _Sampling(BaseModel):

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tandem.engine.kv_cache import block_hashes, prefix_key
+from tandem.prefix_hash import block_hashes, prefix_key
 from tandem.registry import WorkerRecord
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two", "prefix_aware")

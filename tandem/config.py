@@ -10,11 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Model dtype names; their torch dtypes are in tandem/engine/dtypes.py (this module is torch-free).
+DTYPES = ("float32", "bfloat16", "float16")
 # Quantized KV cache formats (tandem/engine/kv_quant.py); "auto" keeps the model dtype.
-KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = ("int8", "fp8")
 # Weight-only quantization of the decoder's linear layers (tandem/engine/quant/), and the
 # int4 group sizes torch's int4 kernels take.
 QUANT_METHODS = ("int8", "int4")
@@ -92,14 +91,6 @@ class ModelSettings:
                 f"quant_group_size must be one of {list(QUANT_GROUP_SIZES)}, "
                 f"got {self.quant_group_size}"
             )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def torch_device(self) -> torch.device:
-        return torch.device(self.device)
 
 
 @dataclass(frozen=True)
@@ -223,12 +214,6 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV cache tensors' dtype: the model's, or a quantized one."""
-        kv = self.cache.kv_cache_dtype
-        return self.model.torch_dtype if kv == "auto" else KV_CACHE_DTYPES[kv]
 
     @classmethod
     def create(

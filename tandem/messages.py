@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tandem.engine.sampler import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams
 from tandem.v1 import api_pb2
 
 _FLOAT_FIELDS = (

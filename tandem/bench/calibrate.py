@@ -17,10 +17,11 @@ from typing import Any
 from rich.console import Console
 
 from tandem.config import EngineConfig
+from tandem.engine.dtypes import kv_dtype
 from tandem.engine.engine import EngineCore
 from tandem.engine.kv_quant import kv_bytes_per_token
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sim import SimProfile, fit_profile
+from tandem.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -115,7 +116,7 @@ def calibrate(config: CalibrateConfig, console: Console | None = None) -> SimPro
     samples = measure(config, console)
     engine_cfg = EngineConfig.create(config.model, dtype=config.dtype)
     from tandem import hub
-    from tandem.engine.models.loader import load_config
+    from tandem.model_config import load_config
 
     cfg = load_config(hub.resolve(config.model))
     source: dict[str, Any] = {
@@ -127,7 +128,7 @@ def calibrate(config: CalibrateConfig, console: Console | None = None) -> SimPro
     }
     return fit_profile(
         samples,
-        kv_bytes_per_token=kv_bytes_per_token(cfg, engine_cfg.kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype(engine_cfg)),
         transfer_bytes_per_s=config.transfer_bytes_per_s,
         transfer_latency_s=config.transfer_latency_s,
         source=source,

@@ -71,6 +71,7 @@ from torch import nn
 from tandem.bench.common import progress_bar
 from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS, CacheConfig
 from tandem.engine import routes
+from tandem.engine.dtypes import TORCH_DTYPES
 from tandem.engine.models.llama import LlamaForCausalLM
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -240,7 +241,7 @@ class ReferenceSide:
     name = "transformers"
 
     def __init__(self, model_path: Path, state: dict[str, torch.Tensor], dtype: str) -> None:
-        self.model = build_reference(model_path, state, DTYPES[dtype])
+        self.model = build_reference(model_path, state, TORCH_DTYPES[dtype])
         eos = self.model.config.eos_token_id
         self.pad_id = int(eos[0] if isinstance(eos, list) else eos)
 
@@ -312,7 +313,7 @@ def build_reference(model_path: Path, state: dict[str, torch.Tensor], dtype: tor
     """A dense transformers model from the checkpoint's config and HF-named float32 weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    from tandem.engine.models.loader import load_config
+    from tandem.model_config import load_config
 
     cfg = load_config(model_path)
     scaling = dict(cfg.rope_scaling or {})
@@ -515,7 +516,7 @@ def _bench_dtype(
     separate = linear_layers(reference.model, fused=False)
     fused = linear_layers(reference.model, fused=True)
     nbytes = weight_bytes(reference.model)
-    on = (DTYPES[dtype], reference.model.device)  # the kernel floor's inputs
+    on = (TORCH_DTYPES[dtype], reference.model.device)  # the kernel floor's inputs
     progress.advance(task)
 
     if config.warmup:

@@ -81,6 +81,7 @@ from tandem.bench.engine import (
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANT_METHODS
 from tandem.engine import routes
+from tandem.engine.dtypes import KV_TORCH_DTYPES
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
@@ -366,7 +367,8 @@ def run_quant_bench(
     """Run the matrix, print the tables and target checks, return (and write) the report."""
     from tandem import hub
     from tandem.bench.quant_report import print_report, write_chart
-    from tandem.engine.models.loader import load_config, load_tokenizer
+    from tandem.engine.models.loader import load_tokenizer
+    from tandem.model_config import load_config
 
     console = console or Console()
     torch.set_num_threads(config.threads)
@@ -602,7 +604,6 @@ def summarize_roofline(
     """Per format: the bytes a batch-1 decode step reads (weights through its routes, KV at
     `context` tokens), the memory roofline (median read bandwidth / those bytes, steps/s) and
     the engine's batch 1 (no spec) over it."""
-    from tandem.config import KV_CACHE_DTYPES
 
     b1 = {
         r["format"]: r["decode_tok_s"]["median"]
@@ -613,7 +614,7 @@ def summarize_roofline(
     rows = []
     for fmt, side in plain.items():
         model = side.model
-        kv_dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, side.dtype)
+        kv_dtype = KV_TORCH_DTYPES.get(kv_cache_dtype, side.dtype)
         weight = model.decode_weight_bytes(1)
         kv = kv_bytes_per_token(model.cfg, kv_dtype) * context
         roofline = gb_s / (weight + kv)

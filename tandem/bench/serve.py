@@ -795,7 +795,7 @@ def local_vocab_size(model_id: str) -> int | None:
         path = hub.models_dir() / entry.filename
     if not path.exists():
         return None
-    from tandem.engine.models.loader import load_config
+    from tandem.model_config import load_config
 
     try:
         return int(load_config(path).vocab_size)

@@ -62,6 +62,7 @@ from tandem.bench.engine import (
 )
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL, DTYPES, parse_speculative
+from tandem.engine.dtypes import TORCH_DTYPES
 from tandem.engine.spec.metrics import SpecStats
 
 GROUPS = {
@@ -317,7 +318,7 @@ def dense_model(name: str, dtype: str, device: str) -> Any:
     from tandem.engine.models.loader import iter_weights
 
     path = hub.resolve(name)
-    return build_reference(path, dict(iter_weights(path)), DTYPES[dtype]).to(device)
+    return build_reference(path, dict(iter_weights(path)), TORCH_DTYPES[dtype]).to(device)
 
 
 def reference_sides(

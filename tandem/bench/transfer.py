@@ -242,7 +242,7 @@ def prompt_ids(num_tokens: int, vocab_size: int, key: str, seed: int) -> list[in
 
 
 def _greedy(max_tokens: int) -> Any:
-    from tandem.engine.sampling_params import SamplingParams
+    from tandem.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -722,7 +722,7 @@ def run_transfer_bench(
     """Run the whole benchmark, print the tables and target checks, return (and write) the
     report."""
     from tandem import hub
-    from tandem.engine.models.loader import load_config
+    from tandem.model_config import load_config
 
     console = console or Console()
     devices = plan_devices(config)

@@ -16,15 +16,14 @@ from torch import Tensor
 from tandem import hub
 from tandem.config import EngineConfig
 from tandem.engine.attention import TorchSDPABackend
+from tandem.engine.dtypes import kv_dtype, model_device, model_dtype
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models import load_model
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.models.loader import load_config
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.runner import ModelRunner, TokenLogprobs
+from tandem.engine.runner import ModelRunner
 from tandem.engine.sampler import request_generator
-from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.sim import SimModel, SimProfile, SimRunner
 from tandem.engine.spec.adaptive import disable_batch_size, num_draft_tokens
@@ -32,6 +31,9 @@ from tandem.engine.spec.cost import DraftLengthControl
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import make_proposer
 from tandem.engine.spec.proposer import Proposer, StepHidden
+from tandem.model_config import load_config
+from tandem.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
 
 
 @dataclass
@@ -53,11 +55,11 @@ class EngineCore:
     def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
         self.config = config
         mc = config.model
-        if mc.num_threads is not None and mc.torch_device.type == "cpu":
+        if mc.num_threads is not None and model_device(mc).type == "cpu":
             torch.set_num_threads(mc.num_threads)
         self.model_path = hub.resolve(mc.model)
         block_size = config.cache.block_size
-        kv_dtype = config.kv_dtype
+        cache_dtype = kv_dtype(config)
         self.model: LlamaForCausalLM | SimModel
         self.sim: SimProfile | None = None  # the timing model of a simulated engine
         if mc.engine == "sim":  # the real config and tokenizer, no weights
@@ -65,22 +67,23 @@ class EngineCore:
             real = load_config(self.model_path)
             self.model = SimModel.of(real, self.sim.sim_layers)
             if not self.sim.kv_bytes_per_token:
-                self.sim = replace(self.sim, kv_bytes_per_token=kv_bytes_per_token(real, kv_dtype))
+                per_token = kv_bytes_per_token(real, cache_dtype)
+                self.sim = replace(self.sim, kv_bytes_per_token=per_token)
             bytes_per_block = self.sim.kv_bytes_per_token * block_size
         else:
             self.model = load_model(
                 self.model_path,
                 TorchSDPABackend,
                 block_size,
-                mc.torch_dtype,
-                mc.torch_device,
+                model_dtype(mc),
+                model_device(mc),
                 mc.quantization,
                 mc.quant_group_size,
                 mc.kernel_routes,
             )
-            bytes_per_block = kv_bytes_per_token(self.model.cfg, kv_dtype) * block_size
+            bytes_per_block = kv_bytes_per_token(self.model.cfg, cache_dtype) * block_size
             bytes_per_block += draft_kv_bytes_per_block(
-                config.spec, block_size, kv_dtype, mc.torch_dtype
+                config.spec, block_size, cache_dtype, model_dtype(mc)
             )
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size
@@ -105,8 +108,8 @@ class EngineCore:
                 self.model,
                 num_blocks,
                 block_size,
-                kv_dtype,
-                mc.torch_device,
+                cache_dtype,
+                model_device(mc),
                 cfg.eos_token_ids,
             )
         self.proposer: Proposer | None = None
@@ -147,7 +150,7 @@ class EngineCore:
                 f"prompt + max_tokens need {max_blocks} KV blocks; the cache has "
                 f"{self.kv_cache.num_blocks} (raise cache memory or lower max_tokens)"
             )
-        generator = request_generator(params.seed, self.config.model.torch_device)
+        generator = request_generator(params.seed, model_device(self.config.model))
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -236,7 +239,9 @@ class EngineCore:
         spec = self.config.spec
         running = self.scheduler.running
         limits: list[tuple[Request, int]] = []  # each decoding request and its most drafts
-        no_drafts_from = disable_batch_size(spec.disable_batch_size, self.config.model.torch_device)
+        no_drafts_from = disable_batch_size(
+            spec.disable_batch_size, model_device(self.config.model)
+        )
         num_decoding = 0  # requests whose next step computes one position (plus drafts)
         for req in running if requests is None else requests:
             req.spec_token_ids, req.spec_draft_probs = [], None

@@ -24,41 +24,12 @@ Block lifecycle::
   one, whose KV the caller copies.
 """
 
-import hashlib
 import itertools
-import struct
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-BlockHash = bytes
-_ROOT_HASH: BlockHash = b""
-
-
-def _hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-    # Stable across processes and hosts (unlike hash()): the prefix index is shared via Redis.
-    data = struct.pack(f"<{len(token_ids)}q", *token_ids)
-    return hashlib.blake2b(parent + data, digest_size=16).digest()
-
-
-def _iter_block_hashes(
-    token_ids: Sequence[int], block_size: int, start: int, stop: int, parent: BlockHash
-) -> Iterator[BlockHash]:
-    """Chained hashes of full blocks start..stop-1; parent is the hash of block start-1."""
-    for i in range(start, stop):
-        parent = _hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
-        yield parent
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """Chained hashes of the full blocks of token_ids (a trailing partial block has none)."""
-    num_full = len(token_ids) // block_size
-    return list(_iter_block_hashes(token_ids, block_size, 0, num_full, _ROOT_HASH))
-
-
-def prefix_key(block_hash: BlockHash) -> int:
-    """A block hash shortened to a non-negative int64, as workers publish it."""
-    return int.from_bytes(block_hash[:8], "little") >> 1
+from tandem.prefix_hash import ROOT_HASH, BlockHash, iter_block_hashes, prefix_key
 
 
 class OutOfBlocksError(RuntimeError):
@@ -71,7 +42,7 @@ class _Block:
     # Set only while this block is the prefix-cache entry for block_hash; the parent hash and
     # token ids are kept so that a hit is re-checked rather than trusted to the hash alone.
     block_hash: BlockHash | None = None
-    parent_hash: BlockHash = _ROOT_HASH
+    parent_hash: BlockHash = ROOT_HASH
     token_ids: tuple[int, ...] = ()
 
 
@@ -286,8 +257,8 @@ class KVCacheManager:
         stop = min(max_blocks, len(token_ids) // bs)
         blocks: list[int] = []
         hashes: list[BlockHash] = []
-        parent = _ROOT_HASH
-        for i, block_hash in enumerate(_iter_block_hashes(token_ids, bs, 0, stop, parent)):
+        parent = ROOT_HASH
+        for i, block_hash in enumerate(iter_block_hashes(token_ids, bs, 0, stop, parent)):
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
@@ -325,9 +296,9 @@ class KVCacheManager:
         table = self._tables[request_id]
         hashes = self._hashes[request_id]
         start = len(hashes)
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else ROOT_HASH
         for i, block_hash in enumerate(
-            _iter_block_hashes(token_ids, bs, start, num_full, parent), start=start
+            iter_block_hashes(token_ids, bs, start, num_full, parent), start=start
         ):
             hashes.append(block_hash)
             if block_hash not in self._cached:
@@ -358,5 +329,5 @@ class KVCacheManager:
         if block.block_hash is None:
             return False
         del self._cached[block.block_hash]
-        block.block_hash, block.parent_hash, block.token_ids = None, _ROOT_HASH, ()
+        block.block_hash, block.parent_hash, block.token_ids = None, ROOT_HASH, ()
         return True

@@ -30,7 +30,7 @@ import torch
 from tandem.engine import layer_ops
 
 if TYPE_CHECKING:
-    from tandem.engine.models.config import ModelConfig
+    from tandem.model_config import ModelConfig
 
 SCALE_BYTES = 4  # one float32 scale per slot
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}

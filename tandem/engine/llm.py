@@ -12,12 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from tandem.config import DEFAULT_MODEL, EngineConfig
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine.engine import EngineCore, RequestDelta
 from tandem.engine.models.loader import load_tokenizer
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.runner import TokenLogprobs
-from tandem.engine.sampling_params import SamplingParams
+from tandem.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Conversation = Sequence[dict[str, str]]

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.spec.adaptive import Acceptance
+from tandem.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -18,7 +18,6 @@ from tandem.engine.request import Request
 from tandem.engine.sampler import (
     Sampler,
     SamplingBatch,
-    TokenLogprobs,
     apply_penalties,
     gather_logprobs,
     processed_probs,
@@ -27,8 +26,9 @@ from tandem.engine.sampler import (
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.spec.proposer import StepHidden
 from tandem.engine.spec.rejection import rejection_sample
+from tandem.outputs import TokenLogprobs
 
-__all__ = ["ModelRunner", "StepResult", "TokenLogprobs"]
+__all__ = ["ModelRunner", "StepResult"]
 
 
 @dataclass

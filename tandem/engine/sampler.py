@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from tandem.engine.sampling_params import SamplingParams
+from tandem.outputs import TokenLogprobs
+from tandem.sampling_params import SamplingParams
 
 
 def request_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
@@ -244,17 +245,6 @@ def sample_from_probs(probs: Tensor, batch: SamplingBatch) -> Tensor:
     # Exp(1) can draw 0, and 0 / 0 = nan would win the argmax for a masked token.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return probs.div(q).argmax(dim=-1)
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """One request's logprobs for one sampled token, in the raw model distribution."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top_token_ids: tuple[int, ...]
-    top_logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True)

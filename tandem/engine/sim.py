@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.request import Request
 from tandem.engine.runner import StepResult
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.model_config import ModelConfig
 
 __all__ = ["SimModel", "SimProfile", "SimRunner", "sim_token"]
 

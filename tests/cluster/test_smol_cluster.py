@@ -15,6 +15,10 @@ One cluster for the module (`smol`, conftest); the tests leave it idle for the n
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,6 +169,48 @@ def test_openai_client(
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == len(ref_chat.token_ids)
+
+
+# A router replica runs without torch: the script runs in a fresh interpreter whose
+# $TANDEM_HOME holds the model but no tokenizer export (the cold path rebuilds it from the GGUF).
+ROUTER_ALONE = """
+import json, sys, urllib.request
+from router.core import RouterConfig
+from router.server import RouterServer
+
+server = RouterServer(RouterConfig(sys.argv[1]), sys.argv[2], "127.0.0.1", 0, 0)
+address = server.start()
+body = json.dumps({"model": sys.argv[1], "messages": json.loads(sys.argv[3]),
+                   "max_tokens": int(sys.argv[4]), "temperature": 0.0}).encode()
+request = urllib.request.Request(address.http_url + "/v1/chat/completions", body,
+                                 {"Content-Type": "application/json"})
+with urllib.request.urlopen(request, timeout=120) as response:
+    answer = json.loads(response.read())
+server.stop()
+loaded = {m.split(".")[0] for m in sys.modules} & {"torch", "transformers"}
+print(json.dumps({"text": answer["choices"][0]["message"]["content"], "loaded": sorted(loaded)}))
+"""
+
+
+def test_a_router_in_a_fresh_interpreter_serves_chat_without_torch(
+    smol: LocalCluster, ref_chat: RequestOutput, smollm2_path: Path, tmp_path: Path
+) -> None:
+    assert smol.registry is not None
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / smollm2_path.name).symlink_to(smollm2_path)
+    args = [SMOL, smol.registry.url, json.dumps(CHAT), str(MAX_TOKENS)]
+    run = subprocess.run(
+        [sys.executable, "-c", ROUTER_ALONE, *args],
+        env={**os.environ, "TANDEM_HOME": str(home)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result == {"text": ref_chat.text, "loaded": []}
+    assert len(list((home / "tokenizers").iterdir())) == 1  # the export the cold path made
 
 
 def test_short_prompt_skips_the_prefill_worker(smol: LocalCluster, smol_llm: LLM) -> None:

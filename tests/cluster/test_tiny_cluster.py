@@ -30,8 +30,8 @@ from cluster_helpers import (
 )
 from conftest import TINY_TTL_S as TTL_S
 
-from tandem.engine.kv_cache import block_hashes, prefix_key
 from tandem.launcher import LocalCluster
+from tandem.prefix_hash import block_hashes, prefix_key
 from tandem.registry import WorkerRecord
 
 pytestmark = pytest.mark.timeout(240)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
-from tandem.engine.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 ATOL = 1e-4
 CONFIGS = {

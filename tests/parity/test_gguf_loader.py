@@ -20,7 +20,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from tandem.engine.models.loader import iter_weights, load_config, load_tokenizer
+from tandem.engine.models.loader import iter_weights, load_tokenizer
+from tandem.model_config import load_config
 
 Q = gguf.GGMLQuantizationType
 

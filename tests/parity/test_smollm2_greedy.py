@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tandem.bench.engine import build_reference
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.models.loader import iter_weights, load_config
+from tandem.engine.models.loader import iter_weights
+from tandem.model_config import load_config
 
 pytestmark = pytest.mark.slow
 

@@ -21,7 +21,7 @@ from tandem.cluster.pools import PoolSpec
 from tandem.cluster.ray_cluster import RayCluster
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
-from tandem.engine.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)

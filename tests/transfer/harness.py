@@ -47,7 +47,7 @@ from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.kv_quant import encode
 from tandem.engine.loop import EngineLoop
-from tandem.engine.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 from tandem.v1 import kv_transfer_pb2 as pb
 
 CALL_TIMEOUT_S = 30.0  # default for one command; tests pass less where they expect less

@@ -27,10 +27,11 @@ from torch import Tensor
 from tandem.config import EngineConfig
 from tandem.engine import engine as engine_module
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.dtypes import model_device, model_dtype
 from tandem.engine.engine import EngineCore
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.request import Request
 from tandem.engine.spec.proposer import Draft, Proposer, StepHidden
+from tandem.model_config import ModelConfig
 
 VOCAB = 5
 MAX_LEN = 16  # positions, = head_dim: one value channel per position
@@ -173,7 +174,7 @@ def hash_engine(proposer: Proposer | None = None, **options: Any) -> EngineCore:
 
     def load_hash_lm(path: Path, backend_cls: type[AttentionBackend], block_size: int, *_: Any):
         backend = backend_cls(1, 1, MAX_LEN, block_size)
-        return HashLM(backend, settings.torch_dtype, settings.torch_device)
+        return HashLM(backend, model_dtype(settings), model_device(settings))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module.hub, "resolve", Path)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine.models.loader import load_tokenizer
 
 pytestmark = pytest.mark.slow

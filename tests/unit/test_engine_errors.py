@@ -11,7 +11,7 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.llm import LLM
-from tandem.engine.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 VOCAB = 256
 MAX_MODEL_LEN = 64

@@ -13,8 +13,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tandem.engine import kv_cache
-from tandem.engine.kv_cache import KVCacheManager, OutOfBlocksError, block_hashes
+from tandem import prefix_hash
+from tandem.engine.kv_cache import KVCacheManager, OutOfBlocksError
+from tandem.prefix_hash import block_hashes
 
 
 def tokens(n: int, start: int = 0) -> list[int]:
@@ -294,7 +295,7 @@ def test_hit_rate_counts_tokens() -> None:
 
 
 def test_hash_collision_does_not_return_wrong_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_cache, "_hash_block", lambda parent, token_ids: b"same")
+    monkeypatch.setattr(prefix_hash, "hash_block", lambda parent, token_ids: b"same")
     kv = KVCacheManager(num_blocks=8, block_size=2)
     assert prefill(kv, "a", [0, 0, 1, 1, 5]) == [0, 1, 2]
     assert kv.match_prefix([1, 1, 0]) == []
@@ -304,7 +305,7 @@ def test_hash_collision_does_not_return_wrong_blocks(monkeypatch: pytest.MonkeyP
 
 def test_hash_collision_with_another_parent_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     # A hash that ignores the parent: equal blocks after different prefixes collide.
-    monkeypatch.setattr(kv_cache, "_hash_block", lambda parent, token_ids: bytes(token_ids))
+    monkeypatch.setattr(prefix_hash, "hash_block", lambda parent, token_ids: bytes(token_ids))
     kv = KVCacheManager(num_blocks=8, block_size=2)
     assert prefill(kv, "a", [0, 0, 1, 1, 5]) == [0, 1, 2]
     assert kv.match_prefix([1, 1, 9]) == []

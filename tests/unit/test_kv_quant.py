@@ -19,6 +19,7 @@ from kv_transfer import KVLayout
 from tandem.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from tandem.engine import SamplingParams
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, SeqSpec, TorchSDPABackend
+from tandem.engine.dtypes import KV_TORCH_DTYPES, kv_dtype
 from tandem.engine.engine import EngineCore
 from tandem.engine.kv_quant import SCALE_BYTES, decode, encode, slot_dim
 
@@ -27,7 +28,7 @@ QUANTIZED = sorted(KV_CACHE_DTYPES)  # ["fp8", "int8"]
 
 
 def round_trip(x: torch.Tensor, kv_cache_dtype: str) -> torch.Tensor:
-    return decode(encode(x, KV_CACHE_DTYPES[kv_cache_dtype]), torch.float32)
+    return decode(encode(x, KV_TORCH_DTYPES[kv_cache_dtype]), torch.float32)
 
 
 # -- the formats ---------------------------------------------------------------------------------
@@ -86,8 +87,8 @@ def test_kv_cache_dtype_is_validated() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="int4")
     config = EngineConfig.create("m", dtype="bfloat16")
-    assert config.kv_dtype == torch.bfloat16
-    assert EngineConfig.create("m", kv_cache_dtype="fp8").kv_dtype == torch.float8_e4m3fn
+    assert kv_dtype(config) == torch.bfloat16
+    assert kv_dtype(EngineConfig.create("m", kv_cache_dtype="fp8")) == torch.float8_e4m3fn
 
 
 # -- attention over a quantized paged cache ------------------------------------------------------
@@ -142,7 +143,7 @@ SHAPES = [(10, 1), (3, 1), (5, 4), (0, 3), (0, 40), (23, 30)]  # decodes, verifi
 
 @pytest.mark.parametrize("kv_cache_dtype", QUANTIZED)
 def test_attention_reads_the_dequantized_cache(kv_cache_dtype: str) -> None:
-    out, expected = paged_attention(SHAPES, KV_CACHE_DTYPES[kv_cache_dtype], seed=0)
+    out, expected = paged_attention(SHAPES, KV_TORCH_DTYPES[kv_cache_dtype], seed=0)
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=0)
 
 
@@ -150,7 +151,7 @@ def test_attention_reads_the_dequantized_cache(kv_cache_dtype: str) -> None:
 def test_attention_with_a_quantized_cache_is_close_to_a_float_cache(
     kv_cache_dtype: str, atol: float
 ) -> None:
-    quantized, _ = paged_attention(SHAPES, KV_CACHE_DTYPES[kv_cache_dtype], seed=1)
+    quantized, _ = paged_attention(SHAPES, KV_TORCH_DTYPES[kv_cache_dtype], seed=1)
     exact, _ = paged_attention(SHAPES, torch.float32, seed=1)
     torch.testing.assert_close(quantized, exact, atol=atol, rtol=0)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from tandem.engine.models.config import ModelConfig
-from tandem.engine.models.loader import iter_weights, load_config
+from tandem.engine.models.loader import iter_weights
+from tandem.model_config import ModelConfig, load_config
 
 TINY: dict[str, Any] = dict(
     vocab_size=64,

@@ -17,8 +17,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Role
+from tandem.sampling_params import SamplingParams
 
 VOCAB = 256
 EOS = 2  # the tiny model's eos_token_id

@@ -18,7 +18,7 @@ from tandem.engine.sampler import (
     processed_probs,
     request_generator,
 )
-from tandem.engine.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 VOCAB = 64

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from tandem.engine.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
 
 VOCAB = 100
 

@@ -15,8 +15,8 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.sampling_params import SamplingParams
 
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

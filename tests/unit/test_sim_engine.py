@@ -10,9 +10,9 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
 from tandem.engine.request import Request
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.engine.sim import SimProfile, fit_profile, sim_token, step_shape
+from tandem.sampling_params import SamplingParams
 
 PROFILE = SimProfile(
     step_overhead_s=0.002,

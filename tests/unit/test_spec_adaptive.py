@@ -9,8 +9,8 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import EngineCore
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.spec.adaptive import Acceptance, disable_batch_size, num_draft_tokens
+from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -9,7 +9,6 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine import engine as engine_module
 from tandem.engine.engine import EngineCore
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.spec.cost import (
     PROBE_PERIOD,
     DraftLengthControl,
@@ -17,6 +16,7 @@ from tandem.engine.spec.cost import (
     best_draft_length,
     expected_tokens,
 )
+from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -40,9 +40,9 @@ from torch import Tensor
 
 from tandem.engine import runner as runner_module
 from tandem.engine.engine import EngineCore
-from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.spec.metrics import SpecStats
 from tandem.engine.spec.rejection import VerifyOutput, rejection_sample
+from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -8,10 +8,10 @@ import torch
 
 from tandem.engine import routes
 from tandem.engine.attention import AttentionBackend
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.models.loader import iter_weights, load_config
+from tandem.engine.models.loader import iter_weights
 from tandem.engine.quant.model import gguf_direct_weights, quantize_model
+from tandem.model_config import ModelConfig, load_config
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
 

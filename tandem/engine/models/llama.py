@@ -18,9 +18,9 @@ from torch import nn
 from tandem.engine import layer_ops
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models import decode_plan
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.linear import DenseProduct, Linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
+from tandem.model_config import ModelConfig
 
 if TYPE_CHECKING:  # quant/model.py imports this module
     from tandem.engine.quant.lm_head import QuantizedLMHead

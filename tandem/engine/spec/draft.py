@@ -41,16 +41,18 @@ from torch import Tensor
 from tandem import hub
 from tandem.config import ModelSettings, SpecConfig
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, SeqSpec, TorchSDPABackend
+from tandem.engine.dtypes import model_device, model_dtype
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_quant import kv_bytes_per_token, slot_dim
 from tandem.engine.models import load_model
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.models.loader import load_config, load_tokenizer
+from tandem.engine.models.loader import load_tokenizer
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.spec.draft_sampling import DraftChain, extend_chains
 from tandem.engine.spec.draft_vocab import LMHead, draft_lm_head
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
+from tandem.model_config import load_config
 
 
 @dataclass
@@ -206,12 +208,12 @@ def load_draft_proposer(
             f"draft_model {spec.draft_model!r} has another tokenizer than the target "
             f"{settings.model!r}: a draft must share the target's tokenizer"
         )
-    block_size, device = kv_cache.block_size, settings.torch_device
+    block_size, device = kv_cache.block_size, model_device(settings)
     model = load_model(
         path,
         TorchSDPABackend,
         block_size,
-        settings.torch_dtype,
+        model_dtype(settings),
         device,
         settings.quantization,
         settings.quant_group_size,

@@ -74,9 +74,8 @@ from tandem.engine.attention import (
     SeqSpec,
 )
 from tandem.engine.kv_cache import KVCacheManager
-from tandem.engine.models.config import ModelConfig
 from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM, fused_target
-from tandem.engine.models.loader import iter_weights, load_config
+from tandem.engine.models.loader import iter_weights
 from tandem.engine.models.rope import RotaryEmbedding
 from tandem.engine.request import Request
 from tandem.engine.spec.draft_sampling import DraftChain, extend_chains
@@ -90,6 +89,7 @@ from tandem.engine.spec.heads import (
     warn_if_other_model,
 )
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
+from tandem.model_config import ModelConfig, load_config
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.config import ModelSettings, SpecConfig
+from tandem.engine.dtypes import model_device, model_dtype
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.runner import ModelRunner
 from tandem.engine.spec.draft import layerskip_proposer, load_draft_proposer
@@ -52,7 +53,7 @@ def _heads_proposer(
 ) -> Proposer:
     """Medusa heads or an EAGLE head: both read the target's hidden states."""
     assert spec.path is not None  # SpecConfig requires it for these methods
-    model, dtype, device = runner.model, settings.torch_dtype, settings.torch_device
+    model, dtype, device = runner.model, model_dtype(settings), model_device(settings)
     runner.keep_hidden = True
     lm_head = draft_lm_head(spec.path, spec.draft_vocab_size, model)
     if spec.method == "medusa":

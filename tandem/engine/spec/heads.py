@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from tandem.engine.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 log = logging.getLogger(__name__)
 

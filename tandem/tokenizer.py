@@ -1,0 +1,150 @@
+"""A checkpoint's tokenizer and chat template without transformers (and so without torch).
+
+`transformers` builds a model's tokenizer (for a GGUF, from the file's metadata, which takes
+seconds) and saves it as `tokenizer.json` + `tokenizer_config.json` under
+`$TANDEM_HOME/tokenizers`, keyed by the checkpoint's name, size and mtime. That export runs once
+per checkpoint, in a child process (`python -m tandem.tokenizer CHECKPOINT DEST`), because
+importing `transformers` imports torch. Everything after it reads the export: `Tokenizer` here
+with the Rust `tokenizers` library and Jinja (the router), or `transformers` (the engine).
+
+`Tokenizer` renders chat templates the way `transformers` does (a sandboxed Jinja environment with
+`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson` and `strftime_now`, the
+special tokens as variables); tests/parity/test_tokenizer.py holds it to `transformers` on the
+default model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tandem.config import tandem_home
+from tandem.model_config import is_gguf
+
+EXPORT_TIMEOUT_S = 600.0  # the child imports transformers and torch, then converts the vocabulary
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
+
+
+def tokenizer_dir(path: str | Path) -> Path:
+    """The checkpoint's tokenizer files: an HF directory itself when it has a `tokenizer.json`,
+    else its export under `$TANDEM_HOME/tokenizers` (made now if missing)."""
+    path = Path(path)
+    if not is_gguf(path) and (path / "tokenizer.json").is_file():
+        return path
+    stat = path.stat()
+    cached = tandem_home() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not cached.is_dir():
+        subprocess.run(
+            [sys.executable, "-m", "tandem.tokenizer", str(path), str(cached)],
+            check=True,
+            timeout=EXPORT_TIMEOUT_S,
+        )
+    return cached
+
+
+def export(checkpoint: Path, dest: Path) -> None:
+    """Save the checkpoint's tokenizer as transformers builds it; atomically, so that a process
+    racing this one finds either nothing or the whole export at `dest`."""
+    from transformers import AutoTokenizer  # only in the child process: it imports torch
+
+    if is_gguf(checkpoint):
+        built = AutoTokenizer.from_pretrained(str(checkpoint.parent), gguf_file=checkpoint.name)
+    else:
+        built = AutoTokenizer.from_pretrained(str(checkpoint))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".partial-"))
+    try:
+        built.save_pretrained(partial)
+        with contextlib.suppress(OSError):  # another process saved it first
+            partial.rename(dest)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone already after the rename
+
+
+class Tokenizer:
+    """Encode, decode and render chat messages with a checkpoint's exported tokenizer."""
+
+    def __init__(self, directory: Path) -> None:
+        self.backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+        settings = _read_json(directory / "tokenizer_config.json")
+        self.special_tokens = {
+            name: _token_text(settings[name]) for name in _SPECIAL_TOKENS if settings.get(name)
+        }
+        template_file = directory / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.is_file() else settings.get("chat_template")
+        )
+        self._template: jinja2.Template | None = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """The conversation as the model was trained to read it; ValueError if it has no chat
+        template or the template rejects the messages."""
+        if self.chat_template is None:
+            raise ValueError("the tokenizer has no chat template")
+        if self._template is None:
+            self._template = _environment().from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except jinja2.TemplateError as e:
+            raise ValueError(str(e)) from None
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint (an HF directory or a .gguf file)."""
+    return Tokenizer(tokenizer_dir(path))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def _token_text(token: str | dict[str, Any]) -> str:
+    return token if isinstance(token, str) else str(token["content"])  # an AddedToken as a dict
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+if __name__ == "__main__":
+    export(Path(sys.argv[1]), Path(sys.argv[2]))
