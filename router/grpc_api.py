@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from router.core import Delta, Router
 from router.errors import RouterError, invalid
-from router.metrics import RouterMetrics
+from router.router_metrics import RouterMetrics
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc
 

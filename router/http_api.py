@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.core import Delta, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
-from router.metrics import RouterMetrics
+from router.router_metrics import RouterMetrics
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 

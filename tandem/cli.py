@@ -228,9 +228,9 @@ def serve(
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.autoscaler import AutoscalerConfig
+    from tandem.cluster.local_cluster import LocalCluster
     from tandem.cluster.pools import PoolSpec
     from tandem.cluster.ray_cluster import RayCluster
-    from tandem.launcher import LocalCluster
 
     cluster: RayCluster | LocalCluster
     if ray:
@@ -323,7 +323,7 @@ def router_cmd(
     """Run only the router (its own process or Kubernetes Deployment); workers come from the
     registry."""
     from router.core import RouterConfig
-    from router.server import RouterServer
+    from router.router_server import RouterServer
 
     controller = None
     if ray_address:
@@ -497,13 +497,13 @@ def worker(
         kernel_routes=kernel_routes,
     )  # fmt: skip
     if role == "prefill":
-        from prefill_worker.server import build_server as build_prefill
+        from prefill_worker.prefill_servicer import build_server as build_prefill
 
         server = build_prefill(
             config, host, port, redis, metrics_port, channel, stream_layers, ttl_s=ttl
         )
     else:
-        from decode_worker.server import build_server as build_decode
+        from decode_worker.decode_servicer import build_server as build_decode
 
         server = build_decode(
             config, host, port, redis, metrics_port, on_transfer_failure, ttl_s=ttl

@@ -24,8 +24,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kv_transfer.metrics import TransferMetrics
-from tandem.engine.engine import EngineCore
+from kv_transfer.transfer_metrics import TransferMetrics
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
 from tandem.registry import Registry, WorkerRecord
 from tandem.v1 import worker_pb2 as wpb

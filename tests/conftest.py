@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tandem import hub
-from tandem.engine import engine as engine_module
+from tandem.engine import engine_core as engine_module
 from tandem.engine.spec import adaptive
 from tandem.engine.spec.cost import DraftLengthControl
 

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from tandem.config import EngineConfig
 from tandem.engine.dtypes import kv_dtype
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.sim import SimProfile, fit_profile
 from tandem.sampling_params import SamplingParams

@@ -1,5 +1,5 @@
 """`tandem bench experiment pd|spec`: two side-by-side experiments, each on fresh local clusters
-(`tandem.launcher.LocalCluster`, router in this process), driven by the `tandem bench serve`
+(`LocalCluster`, router in this process), driven by the `tandem bench serve`
 harness over gRPC (exact tokens per streamed message; the harness's summaries, server-side deltas
 and KV leak check). Metric names and percentiles are those of BENCHMARKS.md (`serving_metrics`).
 
@@ -78,7 +78,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from router.core import RouterConfig
-from router.server import RouterAddress
+from router.router_server import RouterAddress
 from tandem.bench.common import passive_omp
 from tandem.bench.engine import BenchError, machine_info
 from tandem.bench.serve import (
@@ -104,8 +104,8 @@ from tandem.bench.workloads import (
     build_workload,
     drive,
 )
+from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import DEFAULT_MODEL
-from tandem.launcher import LocalCluster
 
 TPOT_RATIO_TARGET = 1.3  # BENCHMARKS.md: disaggregated 1P1D under long-prompt interference
 SPEC_BATCH1_TARGET = 2.0  # BENCHMARKS.md: n-gram, batch 1, input-grounded prompts

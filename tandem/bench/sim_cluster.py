@@ -49,8 +49,8 @@ def start_sim_workers(
     idle_s: float = 0.005,
 ) -> list[WorkerServer]:
     """Start sim workers in this process (each: engine loop thread, gRPC server, registration)."""
-    from decode_worker.server import build_server as build_decode
-    from prefill_worker.server import build_server as build_prefill
+    from decode_worker.decode_servicer import build_server as build_decode
+    from prefill_worker.prefill_servicer import build_server as build_prefill
 
     config = EngineConfig.create(
         model, engine="sim", sim_profile=profile, memory_gib=memory_gib, max_num_seqs=max_num_seqs

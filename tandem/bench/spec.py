@@ -63,7 +63,7 @@ from tandem.bench.engine import (
 from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL, DTYPES, parse_speculative
 from tandem.engine.dtypes import TORCH_DTYPES
-from tandem.engine.spec.metrics import SpecStats
+from tandem.engine.spec.acceptance import SpecStats
 
 GROUPS = {
     "input-grounded": ("summarization", "rag"),

@@ -510,7 +510,7 @@ class DecodeSide:
     """Decode process of the exposed-time part: a DecodeWorker on the real model."""
 
     def __init__(self, config: BenchConfig, device: str, num_blocks: int) -> None:
-        from decode_worker.worker import DecodeWorker
+        from decode_worker.decode_core import DecodeWorker
 
         self.worker = DecodeWorker(
             _engine_config(config, device, num_blocks),
@@ -570,7 +570,7 @@ class PrefillSide:
         return {}
 
     def open(self, channel: str) -> None:
-        from prefill_worker.worker import PrefillWorker
+        from prefill_worker.prefill_core import PrefillWorker
 
         self.close_workers()
         self.channel = channel

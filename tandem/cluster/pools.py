@@ -90,13 +90,13 @@ class WorkerActor:
             speculative = prefill_speculative(spec.decode_engine.get("speculative", speculative))
         config = EngineConfig.create(spec.model, speculative, **options)
         if role == "prefill":
-            from prefill_worker.server import build_server as build_prefill
+            from prefill_worker.prefill_servicer import build_server as build_prefill
 
             self.server = build_prefill(
                 config, host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
             )
         else:
-            from decode_worker.server import build_server as build_decode
+            from decode_worker.decode_servicer import build_server as build_decode
 
             self.server = build_decode(
                 config, host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from tandem.config import DEFAULT_MODEL, EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
-from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.models.loader import load_tokenizer
 from tandem.engine.request import Request, RequestStatus
 from tandem.outputs import TokenLogprobs

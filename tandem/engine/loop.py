@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
-from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.request import Request
 
 log = logging.getLogger(__name__)

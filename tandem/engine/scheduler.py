@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from tandem.config import SchedulerConfig
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
-from tandem.engine.spec.metrics import SpecStats
+from tandem.engine.spec.acceptance import SpecStats
 
 
 class Role:

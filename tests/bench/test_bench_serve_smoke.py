@@ -24,7 +24,7 @@ from router.core import RouterConfig
 from tandem.bench.serve import ServeConfig, run_serve_bench
 from tandem.bench.workloads import SPECBENCH_PATH, LoadPoint, WorkloadConfig
 from tandem.cli import app
-from tandem.launcher import LocalCluster
+from tandem.cluster.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ import grpc
 import httpx2 as httpx
 import psutil
 
-from tandem.launcher import LocalCluster
+from tandem.cluster.local_cluster import LocalCluster
 from tandem.registry import WorkerRecord
 from tandem.v1 import api_pb2, api_pb2_grpc
 from tandem.v1 import worker_pb2 as wpb

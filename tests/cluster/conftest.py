@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from router.core import RouterConfig
+from tandem.cluster.local_cluster import LocalCluster, WorkerProcess
 from tandem.engine import LLM
-from tandem.launcher import LocalCluster, WorkerProcess
 
 SMOL = "smollm2-135m"
 

@@ -43,10 +43,10 @@ from cluster_helpers import (
 from conftest import SMOL
 
 from router.core import RouterConfig
-from router.server import RouterServer
+from router.router_server import RouterServer
+from tandem.cluster.local_cluster import LocalCluster
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.llm import RequestOutput
-from tandem.launcher import LocalCluster
 from tandem.registry import Registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -176,7 +176,7 @@ def test_openai_client(
 ROUTER_ALONE = """
 import json, sys, urllib.request
 from router.core import RouterConfig
-from router.server import RouterServer
+from router.router_server import RouterServer
 
 server = RouterServer(RouterConfig(sys.argv[1]), sys.argv[2], "127.0.0.1", 0, 0)
 address = server.start()

@@ -30,7 +30,7 @@ from cluster_helpers import (
 )
 from conftest import TINY_TTL_S as TTL_S
 
-from tandem.launcher import LocalCluster
+from tandem.cluster.local_cluster import LocalCluster
 from tandem.prefix_hash import block_hashes, prefix_key
 from tandem.registry import WorkerRecord
 

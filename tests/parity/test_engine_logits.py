@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.sampling_params import SamplingParams
 
 ATOL = 1e-4

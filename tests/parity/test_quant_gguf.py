@@ -12,7 +12,7 @@ import torch
 from test_gguf_loader import TINY_MODELS, write_gguf
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.quant import Int4Linear, Int8Linear, gguf_direct_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")

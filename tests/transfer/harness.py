@@ -35,16 +35,16 @@ from typing import Any, TypeVar
 
 import torch
 
-from decode_worker.worker import DecodeWorker, OutputStream
+from decode_worker.decode_core import DecodeWorker, OutputStream
 from kv_transfer import Arrival, KVLayout, KVReceiver, KVSender, KVTicket, OutboundTransfer
 from kv_transfer.fake import FaultyPlane, at_layer
 from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.planes import DataPlane
 from kv_transfer.shm import SharedCache, create_shared_cache
 from kv_transfer.state import FailureCause, TransferError, TransferState
-from prefill_worker.worker import PrefillResult, PrefillWorker
+from prefill_worker.prefill_core import PrefillResult, PrefillWorker
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_quant import encode
 from tandem.engine.loop import EngineLoop
 from tandem.sampling_params import SamplingParams

@@ -11,7 +11,7 @@ import pytest
 import torch
 from harness import WorkerProcess, engine_config, greedy
 
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.spec.eagle import FIRST_POSITION, HIDDEN_STATES
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(120)]

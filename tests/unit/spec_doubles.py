@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from tandem.config import EngineConfig
-from tandem.engine import engine as engine_module
+from tandem.engine import engine_core as engine_module
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.dtypes import model_device, model_dtype
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.spec.proposer import Draft, Proposer, StepHidden
 from tandem.model_config import ModelConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.llm import LLM
 from tandem.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ from tandem.config import KV_CACHE_DTYPES, CacheConfig, EngineConfig
 from tandem.engine import SamplingParams
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, SeqSpec, TorchSDPABackend
 from tandem.engine.dtypes import KV_TORCH_DTYPES, kv_dtype
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_quant import SCALE_BYTES, decode, encode, slot_dim
 
 pytestmark = pytest.mark.usefixtures("one_thread")

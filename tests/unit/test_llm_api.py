@@ -307,8 +307,8 @@ def test_cli_serve_passes_the_speculative_switches_to_the_workers(
 ) -> None:
     """`tandem serve --spec ... --no-spec-cost-aware` reaches the decode workers on both launch
     paths: Ray pools get the engine's dict, local processes get the worker's flags."""
+    import tandem.cluster.local_cluster
     import tandem.cluster.ray_cluster
-    import tandem.launcher
 
     launched: dict[str, Any] = {}
 
@@ -323,7 +323,7 @@ def test_cli_serve_passes_the_speculative_switches_to_the_workers(
         return Recording
 
     monkeypatch.setattr(tandem.cluster.ray_cluster, "RayCluster", recorder("ray"))
-    monkeypatch.setattr(tandem.launcher, "LocalCluster", recorder("local"))
+    monkeypatch.setattr(tandem.cluster.local_cluster, "LocalCluster", recorder("local"))
     runner = CliRunner()
     args = ["serve", "--spec", "ngram", "--no-spec-cost-aware", "--no-demo"]
     assert isinstance(runner.invoke(app, args).exception, _Launched)

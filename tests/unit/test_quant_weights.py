@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from tandem.config import EngineConfig
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.quant import int4, int8
 from tandem.engine.quant.gguf_blocks import q4_to_int4, q8_0_to_int8
 from tandem.engine.quant.int4 import (

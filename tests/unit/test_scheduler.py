@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.sampling_params import SamplingParams

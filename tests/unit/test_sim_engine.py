@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.scheduler import ScheduledRequest
 from tandem.engine.sim import SimProfile, fit_profile, sim_token, step_shape

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.spec.adaptive import Acceptance, disable_batch_size, num_draft_tokens
 from tandem.sampling_params import SamplingParams
 
@@ -72,7 +72,7 @@ def test_no_drafts_at_or_above_the_disable_batch_size(tiny_llama_path: Path) -> 
 
 
 def test_spec_stats_count_as_benchmarks_define_them() -> None:
-    from tandem.engine.spec.metrics import SpecStats
+    from tandem.engine.spec.acceptance import SpecStats
 
     stats = SpecStats()
     stats.observe(4, 2)  # drafts 0, 1 accepted; 2, 3 not

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine import engine as engine_module
-from tandem.engine.engine import EngineCore
+from tandem.engine import engine_core as engine_module
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.spec.cost import (
     PROBE_PERIOD,
     DraftLengthControl,

@@ -16,7 +16,7 @@ import torch
 
 from tandem.config import EngineConfig, parse_speculative
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.spec.proposer import Draft, Proposer, StepHidden
 

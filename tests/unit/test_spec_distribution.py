@@ -39,8 +39,8 @@ from spec_doubles import (
 from torch import Tensor
 
 from tandem.engine import runner as runner_module
-from tandem.engine.engine import EngineCore
-from tandem.engine.spec.metrics import SpecStats
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.spec.acceptance import SpecStats
 from tandem.engine.spec.rejection import VerifyOutput, rejection_sample
 from tandem.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ from test_spec_decode import DATA, make, prompts, run
 
 from tandem.config import EngineConfig
 from tandem.engine import LLM, SamplingParams
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.spec.draft_vocab import save_ranking
 
 pytestmark = pytest.mark.usefixtures("one_thread")

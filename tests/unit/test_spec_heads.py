@@ -31,7 +31,7 @@ from tandem.engine.attention import (
     SeqSpec,
     TorchSDPABackend,
 )
-from tandem.engine.engine import EngineCore
+from tandem.engine.engine_core import EngineCore
 from tandem.engine.models import load_model
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request, RequestStatus

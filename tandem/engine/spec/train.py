@@ -50,11 +50,11 @@ from tandem.engine.llm import LLM
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
+from tandem.engine.spec.acceptance import SpecStats
 from tandem.engine.spec.draft_vocab import save_ranking
 from tandem.engine.spec.eagle import EagleHead, save_eagle
 from tandem.engine.spec.heads import base_model_fields, hf_config, hf_tensors, save_heads
 from tandem.engine.spec.medusa import MedusaHeads, save_medusa
-from tandem.engine.spec.metrics import SpecStats
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
 from tandem.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.core import RouterConfig
-from router.server import RouterAddress, RouterServer
+from router.router_server import RouterAddress, RouterServer
 from tandem.registry import Registry
 
 

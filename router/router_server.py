@@ -18,7 +18,7 @@ import uvicorn
 from router.core import Router, RouterConfig
 from router.grpc_api import build_grpc_server
 from router.http_api import build_app
-from router.metrics import RouterMetrics
+from router.router_metrics import RouterMetrics
 from tandem.registry import Registry, RegistrySnapshot
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ import grpc
 
 from kv_transfer import KVTicket, TransferError
 from kv_transfer.state import FailureCause
-from prefill_worker.worker import PrefillWorker
+from prefill_worker.prefill_core import PrefillWorker
 from tandem.config import EngineConfig
 from tandem.messages import sampling_from_proto
 from tandem.v1 import worker_pb2 as wpb

@@ -7,9 +7,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from decode_worker.worker import DecodeWorker
+from decode_worker.decode_core import DecodeWorker
 from kv_transfer import TransferError
-from prefill_worker.server import TRANSFER_STATUS
+from prefill_worker.prefill_servicer import TRANSFER_STATUS
 from tandem.config import EngineConfig
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import kv_transfer_pb2 as kvpb

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 import torch
 
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
-from kv_transfer.metrics import TransferMetrics
 from kv_transfer.shm import SharedCache, can_share, create_shared_cache
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
+from kv_transfer.transfer_metrics import TransferMetrics
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role

@@ -18,10 +18,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
-from kv_transfer.metrics import TransferMetrics
 from kv_transfer.ticket import model_fingerprint
+from kv_transfer.transfer_metrics import TransferMetrics
 from tandem.config import EngineConfig
-from tandem.engine.engine import EngineCore, RequestDelta
+from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
