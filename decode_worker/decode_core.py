@@ -30,15 +30,13 @@ from kv_transfer.shm import SharedCache, can_share, create_shared_cache
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, TransferConfig
 from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
-
-ON_TRANSFER_FAILURE = ("local", "fail")
 
 
 @dataclass(frozen=True)
@@ -92,11 +90,8 @@ class DecodeWorker(EngineLoop):
         port: int = 0,
         shared_memory: bool = True,
         enable_pairs: bool = True,
-        transfer_timeout_s: float = 30.0,
-        on_transfer_failure: str = "local",
+        transfer: TransferConfig = TransferConfig(),
     ) -> None:
-        if on_transfer_failure not in ON_TRANSFER_FAILURE:
-            raise ValueError(f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}")
         self.role = DecodeRole()
         super().__init__(EngineCore(config, self.role), "decode-loop")
         engine = self.engine
@@ -114,8 +109,7 @@ class DecodeWorker(EngineLoop):
         self.receiver = KVReceiver(
             engine.runner.kv_caches, fingerprint, host, port, self.shm, enable_pairs
         )
-        self.transfer_timeout_s = transfer_timeout_s
-        self.on_transfer_failure = on_transfer_failure
+        self.transfer = transfer
         self.transfer_metrics = TransferMetrics()
         self._streams: dict[str, OutputStream] = {}
         self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
@@ -188,7 +182,7 @@ class DecodeWorker(EngineLoop):
                 continue
             blocks = self.engine.kv_cache.block_table(rid)
             ticket = self.receiver.expect(
-                rid, blocks, req.num_prompt_tokens, self.transfer_timeout_s
+                rid, blocks, req.num_prompt_tokens, self.transfer.timeout_s
             )
             self._tickets.pop(rid).set_result(ticket)
 
@@ -211,7 +205,7 @@ class DecodeWorker(EngineLoop):
             return
         assert a.error is not None
         self.transfer_metrics.failure(a.error.cause)
-        if self.on_transfer_failure == "local" and a.error.cause != FailureCause.CANCELLED:
+        if self.transfer.on_failure == "local" and a.error.cause != FailureCause.CANCELLED:
             scheduler.compute_prompt_locally(rid)
         else:
             self.engine.abort(rid)

@@ -9,8 +9,8 @@ import grpc
 
 from decode_worker.decode_core import DecodeWorker
 from kv_transfer import TransferError
-from prefill_worker.prefill_servicer import TRANSFER_STATUS
-from tandem.config import EngineConfig
+from kv_transfer.state import request_status
+from tandem.config import WorkerConfig
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import kv_transfer_pb2 as kvpb
 from tandem.v1 import worker_pb2 as wpb
@@ -61,7 +61,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                     )
                 )
         except TransferError as e:
-            context.abort(TRANSFER_STATUS[e.cause], str(e))
+            context.abort(request_status(e.cause), str(e))
 
     def Abort(
         self, request: wpb.WorkerAbortRequest, context: grpc.ServicerContext
@@ -73,40 +73,13 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         return worker_stats("decode", self.model, self.worker)
 
 
-def build_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    registry_url: str | None = None,
-    metrics_port: int | None = 0,
-    on_transfer_failure: str = "local",
-    transfer_timeout_s: float = 30.0,
-    ttl_s: float = 3.0,
-) -> WorkerServer:
+def build_decode_server(config: WorkerConfig) -> WorkerServer:
     """A started decode worker: engine loop, KV receiver, gRPC server, metrics, registration."""
-    worker = DecodeWorker(
-        config,
-        host,
-        transfer_timeout_s=transfer_timeout_s,
-        on_transfer_failure=on_transfer_failure,
-    )
-    model = config.model.model
+    worker = DecodeWorker(config.engine, config.host, transfer=config.transfer)
+    model = config.engine.model.model
 
     def add(server: grpc.Server) -> None:
         wpb_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker, model), server)
 
     name = wpb.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
-    kv_endpoint = worker.receiver.endpoint
-    return start_worker_server(
-        "decode",
-        worker,
-        model,
-        add,
-        name,
-        host,
-        port,
-        metrics_port,
-        registry_url,
-        ttl_s,
-        kv_endpoint,
-    )
+    return start_worker_server("decode", worker, add, name, config, worker.receiver.endpoint)

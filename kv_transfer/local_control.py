@@ -37,6 +37,7 @@ from typing import Protocol
 
 import grpc
 
+from tandem.config import GRPC_MAX_MESSAGE_BYTES
 from tandem.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 MESSAGE, END, REPLY, STATUS, READY = 1, 2, 3, 4, 5
 _FRAME = struct.Struct("<BI")
 _SMALL = 1 << 16  # payloads up to this size go out in one send with their frame header
-MAX_FRAME_BYTES = 64 << 20  # as the gRPC stream's message bound (wire.MAX_MESSAGE_BYTES)
+MAX_FRAME_BYTES = GRPC_MAX_MESSAGE_BYTES  # as the gRPC stream's message bound
 _PEER_CRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 
 Reply = pb.PushReply | tuple[grpc.StatusCode, str]  # a reply, or the status to end with

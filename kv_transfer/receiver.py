@@ -32,15 +32,21 @@ from kv_transfer.local_control import LocalControlServer, Reply
 from kv_transfer.pairs import PairHost
 from kv_transfer.shm import SharedCache
 from kv_transfer.sinks import GrpcSink, LayerSink, PairSink, ShmSink
-from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
+from kv_transfer.state import (
+    FailureCause,
+    TransferError,
+    TransferState,
+    TransferStatus,
+    push_status,
+)
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
 from kv_transfer.wire import (
-    GRPC_OPTIONS,
     SERVICE,
     first_token_from_proto,
     parse_chunk,
     tensor_from_proto,
 )
+from tandem.config import GRPC_OPTIONS
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -327,7 +333,7 @@ class KVReceiver:
             reply = self._consume(res, header, layout, requests)
         except TransferError as e:
             res.fail_with(e)
-            reply = (_STATUS_OF[e.cause], str(e))
+            reply = (push_status(e.cause), str(e))
             if e.cause == FailureCause.PEER_LOST:
                 self._close_pair(header)
         except grpc.RpcError:
@@ -404,16 +410,6 @@ class KVReceiver:
         if pair is None:
             raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
         return PairSink(*args, pair, header.tag_base)
-
-
-_STATUS_OF = {
-    FailureCause.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    FailureCause.PEER_LOST: grpc.StatusCode.DATA_LOSS,
-    FailureCause.BAD_METADATA: grpc.StatusCode.INVALID_ARGUMENT,
-    FailureCause.CANCELLED: grpc.StatusCode.ABORTED,
-    FailureCause.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    FailureCause.SETUP: grpc.StatusCode.FAILED_PRECONDITION,
-}
 
 
 class _Reject(Exception):

@@ -30,9 +30,16 @@ from kv_transfer.local_control import ControlCall, LocalCall, LocalControlPool
 from kv_transfer.pairs import PairPool, backend_for
 from kv_transfer.planes import DataPlane, GrpcPlane, PairPlane, ShmPlane
 from kv_transfer.shm import SharedCacheAttachments
-from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
+from kv_transfer.state import (
+    FailureCause,
+    TransferError,
+    TransferState,
+    TransferStatus,
+    cause_of_push_status,
+)
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
-from kv_transfer.wire import GRPC_OPTIONS, PUSH_METHOD, first_token_to_proto, tensor_to_proto
+from kv_transfer.wire import PUSH_METHOD, first_token_to_proto, tensor_to_proto
+from tandem.config import GRPC_OPTIONS
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -41,14 +48,6 @@ log = logging.getLogger(__name__)
 
 CHANNELS = ("auto", "grpc", "pair", "shm")
 WRITE_MARGIN_S = 0.25  # stop writing into a receiver's memory this long before its deadline
-
-_CAUSE_OF = {
-    grpc.StatusCode.NOT_FOUND: FailureCause.NOT_FOUND,
-    grpc.StatusCode.INVALID_ARGUMENT: FailureCause.BAD_METADATA,
-    grpc.StatusCode.ABORTED: FailureCause.CANCELLED,
-    grpc.StatusCode.DEADLINE_EXCEEDED: FailureCause.TIMEOUT,
-    grpc.StatusCode.FAILED_PRECONDITION: FailureCause.SETUP,
-}
 
 _Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor]]
 
@@ -172,7 +171,7 @@ class OutboundTransfer:
             if self._local_error is not None:  # our side ended the stream, for this reason
                 self._fail(self._local_error.cause, self._local_error.message)
             else:
-                cause = _CAUSE_OF.get(e.code(), FailureCause.PEER_LOST)
+                cause = cause_of_push_status(e.code())
                 self._fail(cause, f"{e.code().name}: {e.details()}")
         except TransferError as e:
             self._fail(e.cause, e.message)

@@ -17,6 +17,8 @@ import enum
 import threading
 import time
 
+import grpc
+
 
 class TransferState(enum.Enum):
     BOOTSTRAPPING = "bootstrapping"
@@ -37,6 +39,40 @@ class FailureCause(enum.Enum):
     CANCELLED = "cancelled"  # the request was aborted on either side
     NOT_FOUND = "not_found"  # the receiver has no reservation for the key
     SETUP = "setup"  # no data plane could be set up
+
+
+# The one table from failure causes to gRPC status codes, for the two calls a failure ends:
+# - the KV stream (Push): the receiver replies the cause's code and the sender reads the cause
+#   back from it, so this column is one-to-one;
+# - the worker call that carries the request (Prefill, Decode): the router retries UNAVAILABLE
+#   on another prefill worker, so every cause another worker may not have is UNAVAILABLE.
+STATUS_CODES = {  # cause: (Push reply, worker call)
+    FailureCause.TIMEOUT: (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED),
+    FailureCause.PEER_LOST: (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE),
+    FailureCause.BAD_METADATA: (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ),
+    FailureCause.CANCELLED: (grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED),
+    FailureCause.NOT_FOUND: (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+    FailureCause.SETUP: (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE),
+}
+_CAUSE_OF_PUSH_STATUS = {push: cause for cause, (push, _) in STATUS_CODES.items()}
+
+
+def push_status(cause: FailureCause) -> grpc.StatusCode:
+    """The status a receiver ends a failed KV stream with."""
+    return STATUS_CODES[cause][0]
+
+
+def cause_of_push_status(code: grpc.StatusCode) -> FailureCause:
+    """The cause behind a KV stream's error status (a broken stream: the peer is lost)."""
+    return _CAUSE_OF_PUSH_STATUS.get(code, FailureCause.PEER_LOST)
+
+
+def request_status(cause: FailureCause) -> grpc.StatusCode:
+    """The status a worker ends the request's call with when its transfer failed."""
+    return STATUS_CODES[cause][1]
 
 
 class TransferError(Exception):

@@ -19,11 +19,6 @@ from tandem.engine.dtypes import TORCH_DTYPES
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
-MAX_MESSAGE_BYTES = 64 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 SERVICE = "tandem.v1.KVTransfer"
 PUSH_METHOD = f"/{SERVICE}/Push"
 

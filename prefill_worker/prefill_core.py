@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
 from kv_transfer.ticket import model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, TransferConfig
 from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
@@ -59,14 +59,16 @@ class PrefillWorker(EngineLoop):
         self,
         config: EngineConfig,
         host: str = "127.0.0.1",
-        channel: str = "auto",
-        stream_layers: bool = True,
+        transfer: TransferConfig = TransferConfig(),
         sender: KVSender | None = None,
     ) -> None:
+        stream_layers = transfer.stream_layers
         super().__init__(EngineCore(config, PrefillRole(self, stream_layers)), "prefill-loop")
         engine = self.engine
         self.fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
-        self.sender = sender or KVSender(self.fingerprint, host, channel)
+        self.sender = sender or KVSender(
+            self.fingerprint, host, transfer.channel, pair_idle_s=transfer.pair_idle_s
+        )
         self.stream_layers = stream_layers
         self.transfer_metrics = TransferMetrics()
         self._transfers: dict[str, OutboundTransfer] = {}

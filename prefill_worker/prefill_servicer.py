@@ -5,23 +5,13 @@ from __future__ import annotations
 import grpc
 
 from kv_transfer import KVTicket, TransferError
-from kv_transfer.state import FailureCause
+from kv_transfer.state import request_status
 from prefill_worker.prefill_core import PrefillWorker
-from tandem.config import EngineConfig
+from tandem.config import WorkerConfig
 from tandem.messages import sampling_from_proto
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
 from tandem.worker_server import WorkerServer, start_worker_server, worker_stats
-
-# How a failed transfer reaches the router (which retries another worker on the retryable ones).
-TRANSFER_STATUS = {
-    FailureCause.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    FailureCause.PEER_LOST: grpc.StatusCode.UNAVAILABLE,
-    FailureCause.BAD_METADATA: grpc.StatusCode.FAILED_PRECONDITION,
-    FailureCause.CANCELLED: grpc.StatusCode.CANCELLED,
-    FailureCause.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    FailureCause.SETUP: grpc.StatusCode.UNAVAILABLE,
-}
 
 
 class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
@@ -50,7 +40,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TransferError as e:
-            context.abort(TRANSFER_STATUS[e.cause], str(e))
+            context.abort(request_status(e.cause), str(e))
         except TimeoutError:
             self.worker.abort(r.request_id)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
@@ -72,24 +62,13 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         return worker_stats("prefill", self.model, self.worker)
 
 
-def build_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    registry_url: str | None = None,
-    metrics_port: int | None = 0,
-    channel: str = "auto",
-    stream_layers: bool = True,
-    ttl_s: float = 3.0,
-) -> WorkerServer:
+def build_prefill_server(config: WorkerConfig) -> WorkerServer:
     """A started prefill worker: engine loop, gRPC server, metrics, registration."""
-    worker = PrefillWorker(config, host, channel, stream_layers)
-    model = config.model.model
+    worker = PrefillWorker(config.engine, config.host, config.transfer)
+    model = config.engine.model.model
 
     def add(server: grpc.Server) -> None:
         wpb_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(worker, model), server)
 
     name = wpb.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
-    return start_worker_server(
-        "prefill", worker, model, add, name, host, port, metrics_port, registry_url, ttl_s
-    )
+    return start_worker_server("prefill", worker, add, name, config)

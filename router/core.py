@@ -31,6 +31,7 @@ from router.admission import Admission
 from router.errors import ErrorKind, RouterError, invalid
 from router.policies import PickContext, make_policy
 from tandem import hub
+from tandem.config import RouterConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.messages import logprobs_from_proto, sampling_to_proto
 from tandem.model_config import load_config
@@ -43,25 +44,7 @@ from tandem.v1 import worker_pb2_grpc as wpb_grpc
 
 log = logging.getLogger(__name__)
 
-ON_PREFILL_FAILURE = ("retry", "local", "fail")
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    model: str  # catalogue name, HF directory or .gguf path; also the served model id
-    prefill_policy: str = "prefix_aware"
-    decode_policy: str = "least_loaded"
-    local_prefill_tokens: int = 32  # prompts this short are prefilled by the decode worker
-    on_prefill_failure: str = "retry"  # retry another P once, then local; or local; or fail
-    max_inflight: int = 256
-    max_queue: int = 1024
-    timeout_s: float = 600.0  # a request's deadline unless it asks for a shorter one
-    max_model_len: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.on_prefill_failure not in ON_PREFILL_FAILURE:
-            raise ValueError(f"on_prefill_failure must be one of {ON_PREFILL_FAILURE}")
 
 
 @dataclass

@@ -15,10 +15,11 @@ from typing import Any
 
 import uvicorn
 
-from router.core import Router, RouterConfig
+from router.core import Router
 from router.grpc_api import build_grpc_server
 from router.http_api import build_app
 from router.router_metrics import RouterMetrics
+from tandem.config import RouterConfig
 from tandem.registry import Registry, RegistrySnapshot
 
 log = logging.getLogger(__name__)

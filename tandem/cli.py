@@ -322,8 +322,8 @@ def router_cmd(
 ) -> None:
     """Run only the router (its own process or Kubernetes Deployment); workers come from the
     registry."""
-    from router.core import RouterConfig
     from router.router_server import RouterServer
+    from tandem.config import RouterConfig
 
     controller = None
     if ray_address:
@@ -483,6 +483,8 @@ def worker(
 ) -> None:
     """One worker: `prefill` computes prompts and pushes their KV to decode workers; `decode`
     receives it and generates, with speculative decoding. SIGTERM drains it."""
+    from tandem.cluster.workers import build_worker
+    from tandem.config import TransferConfig, WorkerConfig
     from tandem.worker_server import drain_signal
 
     if role not in ("prefill", "decode"):
@@ -496,18 +498,13 @@ def worker(
         quantization=quantization, quant_group_size=quant_group_size,
         kernel_routes=kernel_routes,
     )  # fmt: skip
-    if role == "prefill":
-        from prefill_worker.prefill_servicer import build_server as build_prefill
-
-        server = build_prefill(
-            config, host, port, redis, metrics_port, channel, stream_layers, ttl_s=ttl
-        )
-    else:
-        from decode_worker.decode_servicer import build_server as build_decode
-
-        server = build_decode(
-            config, host, port, redis, metrics_port, on_transfer_failure, ttl_s=ttl
-        )
+    transfer = TransferConfig(
+        channel=channel, stream_layers=stream_layers, on_failure=on_transfer_failure
+    )
+    server = build_worker(
+        role,
+        WorkerConfig(config, transfer, host, port, redis, metrics_port, heartbeat_ttl_s=ttl),
+    )
     console.print(f"{role} worker {server.worker_id} on {server.endpoint}")
     server.serve_until(stop)
 

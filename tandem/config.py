@@ -1,11 +1,17 @@
 """The one frozen config tree, built once at the entry point (CLI, tests, offline API).
 
-Derived values are properties. Environment variables are read here and nowhere else.
+`EngineConfig` (model, cache, scheduler, speculative decoding) is what an engine runs;
+`WorkerConfig` adds a worker's address, registry and KV transfer (`TransferConfig`);
+`RouterConfig` is the router's. Derived values are properties. Environment variables are read
+(and written) here and nowhere else. Torch-free: the router imports it.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,12 @@ KERNEL_ROUTE_NAMES = (
     "dequant_fp32",
 )
 DEFAULT_MODEL = "smollm2-135m"
+# Every gRPC channel and server of the cluster: a KV chunk or a long prompt fits in one message.
+GRPC_MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+]
 
 
 # Instruction-set levels of the native CPU kernels, lowest first (tandem/engine/native.py); "amx"
@@ -53,6 +65,41 @@ def native_isa_cap() -> str | None:
 def tandem_home() -> Path:
     """Where Tandem keeps downloaded models and caches (`$TANDEM_HOME`, default ~/.cache/tandem)."""
     return Path(os.environ.get("TANDEM_HOME") or Path.home() / ".cache" / "tandem").expanduser()
+
+
+def torch_extensions_dir() -> Path:
+    """Where torch builds C++ extensions (`$TORCH_EXTENSIONS_DIR`, as torch's own default)."""
+    return Path(
+        os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    )
+
+
+def cpu_attention_kernel() -> bool:
+    """Whether CPU attention may take the native kernel (`$TANDEM_CPU_ATTENTION=sdpa`: never)."""
+    return os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa"
+
+
+def put_python_bin_on_path() -> None:
+    """Let this process's children find the tools installed beside its Python (ninja)."""
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+
+def child_environment(**defaults: str) -> dict[str, str]:
+    """This process's environment for a child, with `defaults` where it sets nothing."""
+    return {**defaults, **os.environ}
+
+
+@contextmanager
+def environment_defaults(**defaults: str) -> Iterator[None]:
+    """Within the block, variables of `defaults` that are unset take those values (for the child
+    processes started meanwhile, e.g. OMP_WAIT_POLICY=PASSIVE); unset again after it."""
+    added = [key for key in defaults if key not in os.environ]
+    os.environ.update({key: defaults[key] for key in added})
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
 
 
 @dataclass(frozen=True)
@@ -250,3 +297,62 @@ class EngineConfig:
             SchedulerConfig(**sections["scheduler"]),
             SpecConfig(**(speculative or {})),
         )
+
+
+# -- workers and router ------------------------------------------------------------------------
+
+KV_CHANNELS = ("auto", "grpc", "pair", "shm")  # kv_transfer/sender.py
+ON_TRANSFER_FAILURE = ("local", "fail")  # decode: prefill the prompt itself, or fail the request
+ON_PREFILL_FAILURE = ("retry", "local", "fail")  # router: another P once, then local; or ...
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """How a worker moves KV: the prefill side's channel and streaming, the decode side's
+    deadline and what it does when a transfer fails."""
+
+    channel: str = "auto"  # prefill: auto (shared memory on one host, else a pair, else gRPC)
+    stream_layers: bool = True  # prefill: send layer l as soon as it is computed
+    timeout_s: float = 30.0  # decode: a transfer's deadline
+    on_failure: str = "local"  # decode: ON_TRANSFER_FAILURE
+    pair_idle_s: float = 300.0  # prefill: a torch.distributed pair idle this long is closed
+
+    def __post_init__(self) -> None:
+        if self.channel not in KV_CHANNELS:
+            raise ValueError(f"channel must be one of {KV_CHANNELS}, got {self.channel!r}")
+        if self.on_failure not in ON_TRANSFER_FAILURE:
+            raise ValueError(
+                f"on_transfer_failure must be one of {ON_TRANSFER_FAILURE}, got {self.on_failure!r}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"transfer timeout must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One prefill or decode worker process: its engine, address, registry and KV transfer."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    registry_url: str | None = None  # None: an embedded Redis of its own
+    metrics_port: int | None = 0  # Prometheus; 0: any free port, None: none
+    heartbeat_ttl_s: float = 3.0  # the registry forgets a worker this long after its last beat
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # catalogue name, HF directory or .gguf path; also the served model id
+    prefill_policy: str = "prefix_aware"
+    decode_policy: str = "least_loaded"
+    local_prefill_tokens: int = 32  # prompts this short are prefilled by the decode worker
+    on_prefill_failure: str = "retry"  # ON_PREFILL_FAILURE
+    max_inflight: int = 256
+    max_queue: int = 1024
+    timeout_s: float = 600.0  # a request's deadline unless it asks for a shorter one
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.on_prefill_failure not in ON_PREFILL_FAILURE:
+            raise ValueError(f"on_prefill_failure must be one of {ON_PREFILL_FAILURE}")

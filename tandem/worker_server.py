@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kv_transfer.transfer_metrics import TransferMetrics
+from tandem.config import GRPC_OPTIONS, WorkerConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
 from tandem.registry import Registry, WorkerRecord
@@ -34,10 +35,6 @@ log = logging.getLogger(__name__)
 
 PREFIX_SUMMARY_SIZE = 4096
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
 
 
 class Worker(Protocol):
@@ -301,29 +298,24 @@ def drain_signal() -> threading.Event:
 def start_worker_server(
     role: str,
     worker: Any,
-    model: str,
     add_servicer: Callable[[grpc.Server], None],
     service_name: str,
-    host: str,
-    port: int,
-    metrics_port: int | None,
-    registry_url: str | None,
-    ttl_s: float,
+    config: WorkerConfig,
     kv_endpoint: str = "",
 ) -> WorkerServer:
     """Start the worker's engine loop, then its server (which registers it)."""
     server = WorkerServer(
         role,
         worker,
-        model,
+        config.engine.model.model,
         add_servicer,
         [service_name],
-        host,
-        port,
-        metrics_port,
-        registry_url,
+        config.host,
+        config.port,
+        config.metrics_port,
+        config.registry_url,
         kv_endpoint=kv_endpoint,
-        ttl_s=ttl_s,
+        ttl_s=config.heartbeat_ttl_s,
     )
     worker.start()
     server.start()

@@ -77,7 +77,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from router.core import RouterConfig
 from router.router_server import RouterAddress
 from tandem.bench.common import passive_omp
 from tandem.bench.engine import BenchError, machine_info
@@ -105,7 +104,7 @@ from tandem.bench.workloads import (
     drive,
 )
 from tandem.cluster.local_cluster import LocalCluster
-from tandem.config import DEFAULT_MODEL
+from tandem.config import DEFAULT_MODEL, RouterConfig
 
 TPOT_RATIO_TARGET = 1.3  # BENCHMARKS.md: disaggregated 1P1D under long-prompt interference
 SPEC_BATCH1_TARGET = 2.0  # BENCHMARKS.md: n-gram, batch 1, input-grounded prompts

@@ -89,13 +89,10 @@ from tandem.bench.workloads import (
     drive,
     plan,
 )
+from tandem.config import GRPC_OPTIONS
 from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc
 
 HTTP_CHUNK_TOKENS = ("events", "text")
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.max_receive_message_length", 64 << 20),
-]
 _SCRAPE_TIMEOUT_S = 5.0
 _LEAK_POLL_S = 0.2
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem.config import EngineConfig
+from tandem.cluster.workers import build_worker
+from tandem.config import EngineConfig, WorkerConfig
 from tandem.registry import Registry
 from tandem.worker_server import WorkerServer
 
@@ -49,17 +50,12 @@ def start_sim_workers(
     idle_s: float = 0.005,
 ) -> list[WorkerServer]:
     """Start sim workers in this process (each: engine loop thread, gRPC server, registration)."""
-    from decode_worker.decode_servicer import build_server as build_decode
-    from prefill_worker.prefill_servicer import build_server as build_prefill
-
-    config = EngineConfig.create(
+    engine = EngineConfig.create(
         model, engine="sim", sim_profile=profile, memory_gib=memory_gib, max_num_seqs=max_num_seqs
     )
-    servers: list[WorkerServer] = []
-    for _ in range(num_prefill):
-        servers.append(build_prefill(config, host, 0, registry_url, 0, ttl_s=ttl_s))
-    for _ in range(num_decode):
-        servers.append(build_decode(config, host, 0, registry_url, 0, ttl_s=ttl_s))
+    config = WorkerConfig(engine, host=host, registry_url=registry_url, heartbeat_ttl_s=ttl_s)
+    roles = ["prefill"] * num_prefill + ["decode"] * num_decode
+    servers = [build_worker(role, config) for role in roles]
     for s in servers:
         s.worker.idle_s = idle_s  # type: ignore[attr-defined]  # EngineLoop's idle poll
     return servers

@@ -77,7 +77,7 @@ from rich.table import Table
 from kv_transfer.ticket import KVLayout, KVTicket
 from tandem.bench.common import passive_omp, progress_bar, write_report
 from tandem.bench.engine import BenchError, machine_info, stats
-from tandem.config import DEFAULT_MODEL, DTYPES
+from tandem.config import DEFAULT_MODEL, DTYPES, TransferConfig
 
 CHANNELS = ("pair", "grpc", "shm")
 
@@ -514,8 +514,8 @@ class DecodeSide:
 
         self.worker = DecodeWorker(
             _engine_config(config, device, num_blocks),
-            transfer_timeout_s=_TRANSFER_TIMEOUT_S,
-            on_transfer_failure="fail",  # a failure must not turn into a local prefill here
+            # a failure must not turn into a local prefill here
+            transfer=TransferConfig(timeout_s=_TRANSFER_TIMEOUT_S, on_failure="fail"),
         )
         self.worker.start()
         self._pending: dict[str, tuple[_StreamClock, int]] = {}
@@ -575,7 +575,8 @@ class PrefillSide:
         self.close_workers()
         self.channel = channel
         for stream in (True, False):
-            worker = PrefillWorker(self.engine_config, channel=channel, stream_layers=stream)
+            transfer = TransferConfig(channel=channel, stream_layers=stream)
+            worker = PrefillWorker(self.engine_config, transfer=transfer)
             worker.start()
             self.workers[stream] = worker
 

@@ -12,8 +12,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from router.core import RouterConfig
 from router.router_server import RouterAddress, RouterServer
+from tandem.config import RouterConfig
 from tandem.registry import Registry
 
 

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision
 from tandem.cluster.signals import ClusterSignals
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, WorkerConfig
 from tandem.engine.spec.factory import prefill_speculative
 from tandem.registry import Registry
 
@@ -88,19 +88,15 @@ class WorkerActor:
         speculative = options.pop("speculative", None)
         if role == "prefill":
             speculative = prefill_speculative(spec.decode_engine.get("speculative", speculative))
-        config = EngineConfig.create(spec.model, speculative, **options)
-        if role == "prefill":
-            from prefill_worker.prefill_servicer import build_server as build_prefill
+        config = WorkerConfig(
+            EngineConfig.create(spec.model, speculative, **options),
+            host=host,
+            registry_url=spec.registry_url,
+            heartbeat_ttl_s=spec.heartbeat_ttl_s,
+        )
+        from tandem.cluster.workers import build_worker  # the actor's process: loads torch
 
-            self.server = build_prefill(
-                config, host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
-            )
-        else:
-            from decode_worker.decode_servicer import build_server as build_decode
-
-            self.server = build_decode(
-                config, host, registry_url=spec.registry_url, ttl_s=spec.heartbeat_ttl_s
-            )
+        self.server = build_worker(role, config)
 
     def info(self) -> dict[str, str]:
         return {"worker_id": self.server.worker_id, "endpoint": self.server.endpoint}

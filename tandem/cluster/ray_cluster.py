@@ -15,10 +15,10 @@ from typing import Any
 
 import ray
 
-from router.core import RouterConfig
 from router.router_server import RouterAddress, RouterServer
 from tandem.cluster.autoscaler import AutoscalerConfig
 from tandem.cluster.pools import ClusterSpec, PoolSpec, start_controller
+from tandem.config import RouterConfig
 from tandem.registry import Registry
 
 

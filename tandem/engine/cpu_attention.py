@@ -12,21 +12,20 @@ values, and dequantizes int8 / fp8 slots as it reads them. Without the extension
 from __future__ import annotations
 
 import functools
-import os
 from types import ModuleType
 
 import torch
 
+from tandem.config import cpu_attention_kernel
 from tandem.engine import layer_ops, native
 
-ENV = "TANDEM_CPU_ATTENTION"  # "sdpa" keeps CPU attention on the portable path
 MAX_BLOCK_SIZE = 64  # the kernel's `kMaxBlockSize`
 
 
 @functools.cache  # asked every step and every layer: the environment is read once
 def kernel() -> ModuleType | None:
     """The extension that holds the kernel, or None (switched off, or not built)."""
-    return None if os.environ.get(ENV, "kernel") == "sdpa" else native.extension()
+    return native.extension() if cpu_attention_kernel() else None
 
 
 def runs_on(device: torch.device, block_size: int) -> bool:

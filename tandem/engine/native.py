@@ -24,10 +24,8 @@ import functools
 import hashlib
 import importlib.util
 import logging
-import os
 import platform
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -92,8 +90,7 @@ def build_dir() -> Path:
     machine = platform.machine() if X86_64 else f"{platform.machine()} {_cpu_features()}"
     for part in (torch.__version__, " ".join(FLAGS), machine):
         key.update(part.encode())
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
-    return Path(root) / f"{NAME}-{key.hexdigest()[:16]}"
+    return config.torch_extensions_dir() / f"{NAME}-{key.hexdigest()[:16]}"
 
 
 def _import(library: Path) -> ModuleType:
@@ -161,7 +158,7 @@ def library() -> ModuleType | None:
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # the `ninja` package's binary sits beside this Python
-        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+        config.put_python_bin_on_path()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(

@@ -20,11 +20,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from router.core import RouterConfig
 from tandem.bench.serve import ServeConfig, run_serve_bench
 from tandem.bench.workloads import SPECBENCH_PATH, LoadPoint, WorkloadConfig
 from tandem.cli import app
 from tandem.cluster.local_cluster import LocalCluster
+from tandem.config import RouterConfig
 
 pytestmark = pytest.mark.timeout(120)
 

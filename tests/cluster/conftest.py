@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from router.core import RouterConfig
 from tandem.cluster.local_cluster import LocalCluster, WorkerProcess
+from tandem.config import RouterConfig
 from tandem.engine import LLM
 
 SMOL = "smollm2-135m"

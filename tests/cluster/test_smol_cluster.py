@@ -42,9 +42,9 @@ from cluster_helpers import (
 )
 from conftest import SMOL
 
-from router.core import RouterConfig
 from router.router_server import RouterServer
 from tandem.cluster.local_cluster import LocalCluster
+from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.llm import RequestOutput
 from tandem.registry import Registry
@@ -175,7 +175,7 @@ def test_openai_client(
 # $TANDEM_HOME holds the model but no tokenizer export (the cold path rebuilds it from the GGUF).
 ROUTER_ALONE = """
 import json, sys, urllib.request
-from router.core import RouterConfig
+from tandem.config import RouterConfig
 from router.router_server import RouterServer
 
 server = RouterServer(RouterConfig(sys.argv[1]), sys.argv[2], "127.0.0.1", 0, 0)

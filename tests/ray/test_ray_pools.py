@@ -16,10 +16,9 @@ import grpc
 import pytest
 import ray
 
-from router.core import RouterConfig
 from tandem.cluster.pools import PoolSpec
 from tandem.cluster.ray_cluster import RayCluster
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, RouterConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.sampling_params import SamplingParams
 from tandem.v1 import api_pb2, api_pb2_grpc

@@ -43,7 +43,7 @@ from kv_transfer.planes import DataPlane
 from kv_transfer.shm import SharedCache, create_shared_cache
 from kv_transfer.state import FailureCause, TransferError, TransferState
 from prefill_worker.prefill_core import PrefillResult, PrefillWorker
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, TransferConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_quant import encode
 from tandem.engine.loop import EngineLoop
@@ -395,9 +395,15 @@ class _Host:
     def decode_worker(self, name: str, model: str, **options: Any) -> None:
         """A started DecodeWorker; DecodeWorker's own keywords pass through, the rest go to the
         engine config."""
-        own = ("shared_memory", "enable_pairs", "transfer_timeout_s", "on_transfer_failure")
+        own = ("shared_memory", "enable_pairs")
         kwargs = {k: options.pop(k) for k in own if k in options}
-        worker = _RecordingDecodeWorker(engine_config(model, **options), **kwargs)
+        transfer_fields = {"transfer_timeout_s": "timeout_s", "on_transfer_failure": "on_failure"}
+        transfer = TransferConfig(
+            **{f: options.pop(k) for k, f in transfer_fields.items() if k in options}
+        )
+        worker = _RecordingDecodeWorker(
+            engine_config(model, **options), transfer=transfer, **kwargs
+        )
         self.objects[name] = worker
         worker.start()
 
