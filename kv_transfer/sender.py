@@ -16,6 +16,7 @@ by then nothing reads them any more.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -285,6 +286,12 @@ class OutboundTransfer:
             yield message
 
 
+def _log_unclosed(endpoint: str, pair_id: str, call: grpc.Future) -> None:
+    code = call.code()
+    if code != grpc.StatusCode.OK:
+        log.info("closing pair %s with %s: %s", pair_id, endpoint, code.name)
+
+
 def _transfer_error(e: Exception) -> TransferError:
     """A plane's failure as the transfer's: its own TransferError, else a lost peer."""
     if isinstance(e, TransferError):
@@ -327,6 +334,7 @@ class KVSender:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, OutboundTransfer] = {}
+        self._closing: list[grpc.Future] = []  # ClosePair calls not known to be done
 
     def begin(self, ticket: KVTicket, kv_caches: list[torch.Tensor]) -> OutboundTransfer:
         """Start a transfer from this worker's `kv_caches` as the ticket asks; the layers follow
@@ -337,7 +345,9 @@ class KVSender:
         return transfer
 
     def poll(self) -> list[OutboundTransfer]:
-        """Transfers that ended (Success or Failed) and no longer read their source blocks."""
+        """Transfers that ended (Success or Failed) and no longer read their source blocks.
+        Also closes the pairs idle for `pair_idle_s`: the prefill loop polls every iteration."""
+        self.pairs.close_idle()
         with self._lock:
             done = [t for t in self._transfers.values() if t.finished]
             for t in done:
@@ -425,15 +435,21 @@ class KVSender:
         return lambda: future.result()  # raises the RPC's error
 
     def _close_remote(self, endpoint: str, pair_id: str) -> None:
-        try:
-            self.stub(endpoint).ClosePair(pb.ClosePairRequest(pair_id=pair_id), timeout=2.0)
-        except grpc.RpcError as e:
-            log.info("closing pair %s with %s: %s", pair_id, endpoint, e.code().name)
+        """Tell the receiver, without waiting: poll() closes idle pairs on the prefill loop's
+        thread, which a receiver that is slow to answer must not stall (close() waits)."""
+        call = self.stub(endpoint).ClosePair.future(
+            pb.ClosePairRequest(pair_id=pair_id), timeout=2.0
+        )
+        call.add_done_callback(functools.partial(_log_unclosed, endpoint, pair_id))
+        with self._lock:
+            self._closing = [c for c in self._closing if not c.done()] + [call]
 
     def close(self) -> None:
         for t in list(self._transfers.values()):
             t.abort()
         self.pairs.close()
+        for call in self._closing:  # closing the channels below would cancel them
+            call.code()  # waits for the receiver's answer (2 s at most)
         self.shm.close()
         if self.local is not None:
             self.local.close()
