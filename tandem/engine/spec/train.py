@@ -143,8 +143,6 @@ class _HiddenRecorder(Proposer):
     """Keeps the target's hidden states of every step and drafts nothing: installed as the
     engine's proposer, it sees every position the target computes."""
 
-    needs_hidden_states = True
-
     def __init__(self) -> None:
         self.chunks: dict[str, list[tuple[int, Tensor]]] = defaultdict(list)
 
