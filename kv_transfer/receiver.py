@@ -37,11 +37,11 @@ from kv_transfer.ticket import KVLayout, KVTicket, host_id
 from kv_transfer.wire import (
     GRPC_OPTIONS,
     SERVICE,
-    first_token_from_proto,
     parse_chunk,
     tensor_from_proto,
 )
 from tandem.engine.sampler import TokenLogprobs
+from tandem.messages import logprobs_from_proto
 from tandem.v1 import kv_transfer_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -384,7 +384,9 @@ class KVReceiver:
             if res.cancelled:
                 raise TransferError(FailureCause.CANCELLED, "the request was aborted")
             a = res.arrival
-            a.first_token, a.logprobs = first_token_from_proto(chunk.trailer.first_token)
+            first = chunk.trailer.first_token
+            a.first_token = first.token_id
+            a.logprobs = logprobs_from_proto(first.logprobs) if first.HasField("logprobs") else None
             a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
             a.first_token_unix = chunk.trailer.first_token_unix
             res.status.advance(TransferState.SUCCESS)

@@ -33,8 +33,9 @@ from kv_transfer.planes import DataPlane, GrpcPlane, PairPlane, ShmPlane
 from kv_transfer.shm import SharedCacheAttachments
 from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
-from kv_transfer.wire import GRPC_OPTIONS, PUSH_METHOD, first_token_to_proto, tensor_to_proto
+from kv_transfer.wire import GRPC_OPTIONS, PUSH_METHOD, tensor_to_proto
 from tandem.engine.sampler import TokenLogprobs
+from tandem.messages import logprobs_to_proto
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
 
@@ -239,8 +240,9 @@ class OutboundTransfer:
             except Exception as e:  # end the stream; _run reports this cause
                 self._local_error = _transfer_error(e)
                 return
+            logprobs_msg = logprobs_to_proto(logprobs) if logprobs is not None else None
             trailer = pb.Trailer(
-                first_token=first_token_to_proto(first_token, logprobs),
+                first_token=pb.FirstToken(token_id=first_token, logprobs=logprobs_msg),
                 extras=[tensor_to_proto(k, v) for k, v in extras.items()],
                 first_token_unix=self.first_token_unix,
             )
