@@ -1,4 +1,5 @@
-"""Decode side of KV transfer: reservations, the KVTransfer gRPC service, and polling.
+"""Decode side of KV transfer: reservations, the KVTransfer gRPC service (and the same Push
+protocol on a host-local socket for same-host senders: `local_control`), and polling.
 
 One reservation per request (states in `kv_transfer.state`):
 

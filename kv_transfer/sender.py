@@ -2,8 +2,10 @@
 
 A transfer's life (states in `kv_transfer.state`):
 
-    begin(ticket)          Bootstrapping: pick a data plane (shared memory on the same host, else
-                           a torch.distributed pair, else the gRPC stream) and open the Push stream
+    begin(ticket)          Bootstrapping: pick a data plane (the receiver's shared cache on the
+                           same host, else a torch.distributed pair, else the gRPC stream) and
+                           open the Push stream (on the receiver's host-local socket for the
+                           shared cache, else, or when that socket fails, on gRPC)
     header sent            WaitingForInput until the receiver accepts and layers are ready
     set_source(blocks)     the sender's blocks holding the prompt (known once it is scheduled)
     layer_ready(l)         Transferring: layer l goes out while the prefill computes layer l+1
