@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from tandem.bench.experiment import PdConfig, SpecExperimentConfig, long_schedule, salted
-from tandem.bench.workloads import SPECBENCH_PATH, BenchRequest
+from tandem.bench.workloads import BenchRequest
 from tandem.cli import app
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,7 +110,6 @@ def test_pd_quick(chat_model: Path, tmp_path: Path) -> None:
     assert (out / "pd.png").stat().st_size > 0
 
 
-@pytest.mark.skipif(not SPECBENCH_PATH.is_file(), reason="Spec-Bench prompts not found")
 def test_spec_quick(repeating_chat_model: Path, tmp_path: Path) -> None:
     out = tmp_path / "spec"
     model = str(repeating_chat_model)

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from router.core import RouterConfig
 from tandem.bench.serve import ServeConfig, run_serve_bench
-from tandem.bench.workloads import SPECBENCH_PATH, LoadPoint, WorkloadConfig
+from tandem.bench.workloads import LoadPoint, WorkloadConfig
 from tandem.cli import app
 from tandem.launcher import LocalCluster
 
@@ -116,8 +116,6 @@ def test_grpc_random_and_specbench_chat(cluster: Any, tmp_path: Path) -> None:
     assert timings["exposed_transfer_s"]["count"] == 10
     assert point["summary"]["total_throughput"] > point["summary"]["output_throughput"]
 
-    if not SPECBENCH_PATH.is_file():
-        pytest.skip(f"Spec-Bench prompts not found at {SPECBENCH_PATH}")
     chat = ServeConfig(
         url=cluster.http_url,
         grpc=cluster.grpc_target,

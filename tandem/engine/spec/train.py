@@ -43,8 +43,8 @@ from rich.console import Console
 from torch import Tensor, nn
 
 from tandem.bench.common import progress_bar
-from tandem.bench.workloads import SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL
+from tandem.data import SPECBENCH_PATH
 from tandem.engine.attention import AttentionMetadata, SeqSpec, TorchSDPABackend
 from tandem.engine.llm import LLM
 from tandem.engine.models.llama import LlamaForCausalLM
