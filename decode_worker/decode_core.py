@@ -196,7 +196,7 @@ class DecodeWorker(EngineLoop):
         if a.state == TransferState.SUCCESS:
             assert a.first_token is not None
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
-            self.transfer_metrics.success(a.nbytes, a.seconds, a.data_plane, exposed)
+            self.transfer_metrics.success(a.nbytes, a.seconds, exposed)
             req = scheduler.remote_kv_arrived(rid, a.first_token)
             if self.engine.proposer is not None and not req.status.finished:
                 self.engine.proposer.adopt_state(rid, a.extras)

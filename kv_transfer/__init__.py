@@ -2,10 +2,12 @@
 worker reserved for it.
 
 The decode side (`KVReceiver`) reserves and issues a `KVTicket`; the prefill side (`KVSender`)
-pushes the KV layer by layer over one of three data planes (a torch.distributed pair, the gRPC
-stream itself, or the receiver's shared-memory cache), then the first token. Control always goes
-over the gRPC stream, so every plane shares one state machine, one set of deadlines and one set
-of typed failures (`kv_transfer.state`).
+pushes the KV layer by layer over one of three data planes (the receiver's shared cache on the
+same host, in shared memory or opened by CUDA IPC; a torch.distributed pair; or the control
+stream's own messages), then the first token. Control is one Push stream whatever the plane: on
+the receiver's gRPC service, or, for the shared cache, the same messages on its host-local Unix
+socket (`local_control`, which falls back to gRPC). So every plane shares one state machine, one
+set of deadlines and one set of typed failures (`kv_transfer.state`).
 """
 
 from kv_transfer.receiver import Arrival, KVReceiver

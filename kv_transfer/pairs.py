@@ -14,8 +14,9 @@ A timed-out send or recv closes the pair for good: both sides drop it and a new 
 
 Cost: a Gloo pair is one socket and one worker thread on a device shared by all pairs, about 35
 KB of memory per pair (measured); an NCCL pair is one communicator. The sender keeps at most
-`max_pairs`, closing the least recently used one, and closes pairs idle for `idle_s`. Dropping
-the last reference to a group (and to its pending work) closes it; the peer's pending recv fails.
+`max_pairs`, closing the least recently used one, and closes pairs idle for `idle_s` (looked at
+on each of its polls, which the prefill loop makes every iteration). Dropping the last reference
+to a group (and to its pending work) closes it; the peer's pending recv fails.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ class PairPool:
                 pair = self._pairs.get(endpoint)
                 if pair is not None:
                     self._pairs.move_to_end(endpoint)
+                    pair.last_used = time.monotonic()  # a transfer has it: not idle
                     return pair
             pair = self._connect(endpoint, store_address, backend, timeout_s)
         with self._lock:
@@ -194,11 +196,14 @@ class PairPool:
             self._close_remote(endpoint, pair.pair_id)
 
     def close_idle(self) -> int:
+        """Close the pairs unused for more than `idle_s`; returns how many."""
         now = time.monotonic()
-        with self._lock:
-            idle = [e for e, p in self._pairs.items() if now - p.last_used > self.idle_s]
-        for endpoint in idle:
-            self.drop(endpoint)
+        with self._lock:  # get() marks a pair used under this lock: none is taken and closed
+            idle = [(e, p) for e, p in self._pairs.items() if now - p.last_used > self.idle_s]
+            for endpoint, _ in idle:
+                del self._pairs[endpoint]
+        for endpoint, pair in idle:
+            self._close_remote(endpoint, pair.pair_id)
         return len(idle)
 
     def close(self) -> None:

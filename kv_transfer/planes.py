@@ -1,7 +1,8 @@
 """Sender-side data planes: how a run of layers' KV bytes reaches the receiver.
 
 Each plane moves (or starts moving) the bytes of the consecutive layers it is handed and yields
-the serialized `KVChunk` messages that go on the gRPC stream. `GrpcPlane` puts the bytes in the
+the serialized `KVChunk` messages that go on the Push stream (gRPC, or the receiver's host-local
+socket: `local_control`). `GrpcPlane` puts the bytes in the
 messages themselves; `PairPlane` sends each layer over a torch.distributed pair and yields a
 marker after each group of sends; `ShmPlane` writes straight into the receiver's shared cache
 (shared memory, or GPU memory opened by CUDA IPC) and yields one marker. Handing over every layer

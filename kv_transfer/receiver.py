@@ -1,4 +1,5 @@
-"""Decode side of KV transfer: reservations, the KVTransfer gRPC service, and polling.
+"""Decode side of KV transfer: reservations, the KVTransfer gRPC service (and the same Push
+protocol on a host-local socket for same-host senders: `local_control`), and polling.
 
 One reservation per request (states in `kv_transfer.state`):
 
@@ -42,11 +43,11 @@ from kv_transfer.state import (
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
 from kv_transfer.wire import (
     SERVICE,
-    first_token_from_proto,
     parse_chunk,
     tensor_from_proto,
 )
 from tandem.config import GRPC_OPTIONS
+from tandem.messages import logprobs_from_proto
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -390,7 +391,9 @@ class KVReceiver:
             if res.cancelled:
                 raise TransferError(FailureCause.CANCELLED, "the request was aborted")
             a = res.arrival
-            a.first_token, a.logprobs = first_token_from_proto(chunk.trailer.first_token)
+            first = chunk.trailer.first_token
+            a.first_token = first.token_id
+            a.logprobs = logprobs_from_proto(first.logprobs) if first.HasField("logprobs") else None
             a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
             a.first_token_unix = chunk.trailer.first_token_unix
             res.status.advance(TransferState.SUCCESS)

@@ -2,8 +2,10 @@
 
 A transfer's life (states in `kv_transfer.state`):
 
-    begin(ticket)          Bootstrapping: pick a data plane (shared memory on the same host, else
-                           a torch.distributed pair, else the gRPC stream) and open the Push stream
+    begin(ticket)          Bootstrapping: pick a data plane (the receiver's shared cache on the
+                           same host, else a torch.distributed pair, else the gRPC stream) and
+                           open the Push stream (on the receiver's host-local socket for the
+                           shared cache, else, or when that socket fails, on gRPC)
     header sent            WaitingForInput until the receiver accepts and layers are ready
     set_source(blocks)     the sender's blocks holding the prompt (known once it is scheduled)
     layer_ready(l)         Transferring: layer l goes out while the prefill computes layer l+1
@@ -16,6 +18,7 @@ by then nothing reads them any more.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -38,8 +41,9 @@ from kv_transfer.state import (
     cause_of_push_status,
 )
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
-from kv_transfer.wire import PUSH_METHOD, first_token_to_proto, tensor_to_proto
+from kv_transfer.wire import PUSH_METHOD, tensor_to_proto
 from tandem.config import GRPC_OPTIONS
+from tandem.messages import logprobs_to_proto
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 from tandem.v1 import kv_transfer_pb2_grpc as pb_grpc
@@ -237,8 +241,9 @@ class OutboundTransfer:
             except Exception as e:  # end the stream; _run reports this cause
                 self._local_error = _transfer_error(e)
                 return
+            logprobs_msg = logprobs_to_proto(logprobs) if logprobs is not None else None
             trailer = pb.Trailer(
-                first_token=first_token_to_proto(first_token, logprobs),
+                first_token=pb.FirstToken(token_id=first_token, logprobs=logprobs_msg),
                 extras=[tensor_to_proto(k, v) for k, v in extras.items()],
                 first_token_unix=self.first_token_unix,
             )
@@ -284,6 +289,12 @@ class OutboundTransfer:
             yield message
 
 
+def _log_unclosed(endpoint: str, pair_id: str, call: grpc.Future) -> None:
+    code = call.code()
+    if code != grpc.StatusCode.OK:
+        log.info("closing pair %s with %s: %s", pair_id, endpoint, code.name)
+
+
 def _transfer_error(e: Exception) -> TransferError:
     """A plane's failure as the transfer's: its own TransferError, else a lost peer."""
     if isinstance(e, TransferError):
@@ -326,6 +337,7 @@ class KVSender:
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
         self._transfers: dict[str, OutboundTransfer] = {}
+        self._closing: list[grpc.Future] = []  # ClosePair calls not known to be done
 
     def begin(self, ticket: KVTicket, kv_caches: list[torch.Tensor]) -> OutboundTransfer:
         """Start a transfer from this worker's `kv_caches` as the ticket asks; the layers follow
@@ -336,7 +348,9 @@ class KVSender:
         return transfer
 
     def poll(self) -> list[OutboundTransfer]:
-        """Transfers that ended (Success or Failed) and no longer read their source blocks."""
+        """Transfers that ended (Success or Failed) and no longer read their source blocks.
+        Also closes the pairs idle for `pair_idle_s`: the prefill loop polls every iteration."""
+        self.pairs.close_idle()
         with self._lock:
             done = [t for t in self._transfers.values() if t.finished]
             for t in done:
@@ -424,15 +438,21 @@ class KVSender:
         return lambda: future.result()  # raises the RPC's error
 
     def _close_remote(self, endpoint: str, pair_id: str) -> None:
-        try:
-            self.stub(endpoint).ClosePair(pb.ClosePairRequest(pair_id=pair_id), timeout=2.0)
-        except grpc.RpcError as e:
-            log.info("closing pair %s with %s: %s", pair_id, endpoint, e.code().name)
+        """Tell the receiver, without waiting: poll() closes idle pairs on the prefill loop's
+        thread, which a receiver that is slow to answer must not stall (close() waits)."""
+        call = self.stub(endpoint).ClosePair.future(
+            pb.ClosePairRequest(pair_id=pair_id), timeout=2.0
+        )
+        call.add_done_callback(functools.partial(_log_unclosed, endpoint, pair_id))
+        with self._lock:
+            self._closing = [c for c in self._closing if not c.done()] + [call]
 
     def close(self) -> None:
         for t in list(self._transfers.values()):
             t.abort()
         self.pairs.close()
+        for call in self._closing:  # closing the channels below would cancel them
+            call.code()  # waits for the receiver's answer (2 s at most)
         self.shm.close()
         if self.local is not None:
             self.local.close()

@@ -7,7 +7,7 @@ One sink per transfer, the counterpart of the sender's plane (`kv_transfer.plane
 - `PairSink` receives the layers a marker announces from the torch.distributed pair, several
   recvs in flight into reused staging buffers (also while the next marker is read), each
   scattered once it landed;
-- `ShmSink` has nothing to move: the sender wrote the layers into our shared memory itself.
+- `ShmSink` has nothing to move: the sender wrote the layers into our shared cache itself.
 
 Layers arrive in order; a sink refuses anything else (a repeat, a gap, bytes past the end) as
 bad metadata. Writes go through the reservation's lock, and stop once it is no longer writable.

@@ -6,9 +6,9 @@
 Receiver (decode side): Bootstrapping while it reserves blocks and issues the ticket;
 WaitingForInput until the sender's header arrives; Transferring while layers land; Success when
 the trailer (first token) arrives with every layer. Sender (prefill side): Bootstrapping while it
-picks a data plane and connects; WaitingForInput until the prefill computes the first layer;
-Transferring while it sends; Success when the receiver acknowledges. Any state may fail; Success
-and Failed are final.
+picks a data plane and connects; WaitingForInput until the receiver accepts the header and the
+prefill has computed the first layer; Transferring while it sends; Success when the receiver
+acknowledges. Any state may fail; Success and Failed are final.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Transfer metrics one worker keeps: bytes, seconds, GB/s, exposed time, failures by cause."""
+"""Transfer metrics one worker keeps: bytes, seconds, exposed time, failures by cause."""
 
 from __future__ import annotations
 
@@ -16,22 +16,16 @@ class TransferMetrics:
     seconds: float = 0.0  # summed over transfers (header to trailer)
     exposed_s: list[float] = field(default_factory=list)  # decode admission - prefill end
     failures: Counter[FailureCause] = field(default_factory=Counter)
-    by_plane: Counter[str] = field(default_factory=Counter)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def success(self, nbytes: int, seconds: float, plane: str, exposed_s: float | None) -> None:
+    def success(self, nbytes: int, seconds: float, exposed_s: float | None) -> None:
         with self._lock:
             self.completed += 1
             self.nbytes += nbytes
             self.seconds += seconds
-            self.by_plane[plane] += 1
             if exposed_s is not None:
                 self.exposed_s.append(exposed_s)
 
     def failure(self, cause: FailureCause) -> None:
         with self._lock:
             self.failures[cause] += 1
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0

@@ -16,7 +16,6 @@ from google.protobuf.message import DecodeError
 
 from kv_transfer.layout import as_bytes, from_bytes
 from tandem.engine.dtypes import TORCH_DTYPES
-from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
 
 SERVICE = "tandem.v1.KVTransfer"
@@ -102,31 +101,6 @@ def parse_chunk(message: bytes) -> tuple[pb.KVChunk, memoryview]:
         raise ValueError(f"malformed KVChunk: {e}") from e
     data = chunk.layer.data if chunk.WhichOneof("part") == "layer" else b""
     return chunk, memoryview(data)
-
-
-def first_token_to_proto(token_id: int, logprobs: TokenLogprobs | None) -> pb.FirstToken:
-    msg = pb.FirstToken(token_id=token_id)
-    if logprobs is not None:
-        msg.has_logprobs = True
-        msg.logprob = logprobs.logprob
-        msg.rank = logprobs.rank
-        msg.top.extend(
-            pb.TopLogprob(token_id=t, logprob=lp)
-            for t, lp in zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True)
-        )
-    return msg
-
-
-def first_token_from_proto(msg: pb.FirstToken) -> tuple[int, TokenLogprobs | None]:
-    if not msg.has_logprobs:
-        return msg.token_id, None
-    return msg.token_id, TokenLogprobs(
-        msg.token_id,
-        msg.logprob,
-        msg.rank,
-        tuple(t.token_id for t in msg.top),
-        tuple(t.logprob for t in msg.top),
-    )
 
 
 # dtypes of the trailer's `extras` (a proposer's state: float hidden states, integer positions)

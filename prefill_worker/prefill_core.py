@@ -150,7 +150,7 @@ class PrefillWorker(EngineLoop):
                 future.set_exception(transfer.status.error)
             else:
                 seconds = transfer.done_time - transfer.started
-                self.transfer_metrics.success(transfer.nbytes, seconds, transfer.plane_name, None)
+                self.transfer_metrics.success(transfer.nbytes, seconds, None)
                 future.set_result(
                     PrefillResult(
                         key,

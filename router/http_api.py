@@ -321,10 +321,6 @@ class _CompletionRender(_Render):
             ],
         }
 
-    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
-        pairs = zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-        return {self.token_text(t): p for t, p in pairs}
-
     def full(self) -> dict[str, Any]:
         choice = {
             "index": 0,

@@ -39,8 +39,8 @@ fractions are ratios of medians. The targets of BENCHMARKS.md are checked on tho
 >= 80% of the (separate-layout) kernel floor in every dtype; in bfloat16, batch 1 >= 1.3x and batch
 `batch` >= 2.5x transformers.
 
-Prompts: the first turn of the Spec-Bench dev prompts, `../shared/data/specbench_dev.jsonl` from the
-project root, without the long input-grounded categories (summarization, rag), whose left padding
+Prompts: the first turn of the Spec-Bench dev prompts (`tandem/data/specbench_dev.jsonl`),
+without the long input-grounded categories (summarization, rag), whose left padding
 would turn the batched run into a prefill test; a seeded shuffle picks them. `--json PATH` writes
 the config, the machine, the prompts, every raw sample and the summaries, and `PATH.png` beside it.
 """
@@ -70,12 +70,12 @@ from torch import nn
 
 from tandem.bench.common import progress_bar
 from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS, CacheConfig
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import routes
 from tandem.engine.dtypes import TORCH_DTYPES
 from tandem.engine.models.llama import LlamaForCausalLM
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-PROMPTS_PATH = PROJECT_ROOT.parent / "shared" / "data" / "specbench_dev.jsonl"
 EXCLUDED_CATEGORIES = frozenset({"summarization", "rag"})
 
 # Targets from BENCHMARKS.md (thresholds, not measurements).
@@ -155,13 +155,10 @@ class BenchPrompt:
 # --- prompts ------------------------------------------------------------------------------
 
 
-def load_prompts(path: Path = PROMPTS_PATH) -> list[BenchPrompt]:
+def load_prompts(path: Path = SPECBENCH_PATH) -> list[BenchPrompt]:
     """First turns of the Spec-Bench dev set, without the input-grounded long categories."""
     if not path.is_file():
-        raise BenchError(
-            f"prompt file not found: {path} (expected `../shared/data/specbench_dev.jsonl` "
-            f"beside the project root {PROJECT_ROOT})"
-        )
+        raise BenchError(f"prompt file not found: {path}")
     prompts = []
     for line in path.read_text().splitlines():
         if not line.strip():

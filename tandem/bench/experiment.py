@@ -790,6 +790,9 @@ class SpecExperimentConfig:
     seed: int = 0
     timeout_s: float = 600.0
     startup_timeout_s: float = 300.0
+    # the spec-on worker drafts only as far as its measured step times pay (spec/cost.py); off:
+    # at every step the acceptance and batch limits allow
+    cost_aware: bool = True
 
     def __post_init__(self) -> None:
         if not self.workloads or not self.concurrencies:
@@ -806,7 +809,9 @@ class SpecExperimentConfig:
 
     def quick(self) -> SpecExperimentConfig:
         """A pipeline check with short prompts (they fit the tiny test model's 512 positions),
-        not a measurement."""
+        not a measurement. The spec-on side drafts whether or not it pays: a tiny model's
+        verify steps do not pay on a CPU, and the cost model would leave drafting, verification
+        and their metrics unexercised."""
         return replace(
             self,
             workloads=(("qa", "qa"), ("humanities", "humanities")),
@@ -815,6 +820,7 @@ class SpecExperimentConfig:
             min_requests=2,
             max_requests=2,
             rounds=1,
+            cost_aware=False,
         )
 
     def requests_at(self, concurrency: int) -> int:
@@ -840,12 +846,11 @@ class SpecExperimentConfig:
 SPEC_SIDES = ("off", "on")
 
 
-def spec_deployments() -> dict[str, Deployment]:
+def spec_deployments(cost_aware: bool = True) -> dict[str, Deployment]:
+    spec = ("--spec", "ngram", *(() if cost_aware else ("--no-spec-cost-aware",)))
     return {
         "off": Deployment("spec off", "0P1D, no speculation", 0),
-        "on": Deployment(
-            "spec on", "0P1D, --spec ngram on the decode worker", 0, (), ("--spec", "ngram")
-        ),
+        "on": Deployment("spec on", f"0P1D, {' '.join(spec)} on the decode worker", 0, (), spec),
     }
 
 
@@ -1070,7 +1075,7 @@ def plot_spec(path: Path, rows: Sequence[dict[str, Any]], dtype: str) -> Path:
 def run_spec(config: SpecExperimentConfig, out: Path | None, console: Console) -> dict[str, Any]:
     """Start the spec-off and spec-on clusters, run every point on both (A B A B), print the
     tables, write the outputs."""
-    deployments = spec_deployments()
+    deployments = spec_deployments(config.cost_aware)
     console.print(
         f"[bold]experiment spec[/bold] {config.model}: concurrencies {config.concurrencies}, "
         f"workloads {[w for w, _ in config.workloads]}, <= {config.output_len} new tokens, "

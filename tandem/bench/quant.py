@@ -78,8 +78,9 @@ from tandem.bench.engine import (
     stats,
     target_result,
 )
-from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
+from tandem.bench.workloads import SPECBENCH_CATEGORIES
 from tandem.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANT_METHODS
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import routes
 from tandem.engine.dtypes import KV_TORCH_DTYPES
 from tandem.engine.kv_quant import kv_bytes_per_token

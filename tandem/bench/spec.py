@@ -8,7 +8,7 @@ speculation and one per proposer of `--methods` (`ngram`, `layerskip:N`, `draft:
 `medusa:PATH`, `eagle:PATH`; a method the engine refuses to build is skipped with its reason).
 All engines are loaded before the first measurement and run alternately on the same prompts.
 
-Prompts: the first turn of the Spec-Bench dev questions (`../shared/data/specbench_dev.jsonl`),
+Prompts: the first turn of the Spec-Bench dev questions (`tandem/data/specbench_dev.jsonl`),
 chat-templated, per category; a seeded shuffle orders each category. Groups: input-grounded =
 summarization, rag; chat = the eight MT-bench categories; other = translation, qa,
 math_reasoning. Greedy decoding, at most `new_tokens` new tokens, EOS honoured.
@@ -60,8 +60,9 @@ from tandem.bench.engine import (
     stats,
     target_result,
 )
-from tandem.bench.workloads import SPECBENCH_CATEGORIES, SPECBENCH_PATH
+from tandem.bench.workloads import SPECBENCH_CATEGORIES
 from tandem.config import DEFAULT_MODEL, DTYPES, parse_speculative
+from tandem.data import SPECBENCH_PATH
 from tandem.engine.dtypes import TORCH_DTYPES
 from tandem.engine.spec.acceptance import SpecStats
 

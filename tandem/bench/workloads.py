@@ -47,9 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.serving_metrics import Timeline
+from tandem.data import SPECBENCH_PATH
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SPECBENCH_PATH = PROJECT_ROOT.parent / "shared" / "data" / "specbench_dev.jsonl"
 SPECBENCH_CATEGORIES = (
     "writing",
     "roleplay",

@@ -180,7 +180,6 @@ class SimModel:
     transfer fingerprint differs from the real model's (a real and a sim worker never pair)."""
 
     cfg: ModelConfig
-    real_cfg: ModelConfig
 
     @classmethod
     def of(cls, real: ModelConfig, layers: int) -> SimModel:
@@ -193,7 +192,7 @@ class SimModel:
             hidden_size=1,
             intermediate_size=1,
         )
-        return cls(cfg, real)
+        return cls(cfg)
 
 
 class SimRunner:

@@ -1,3 +1,4 @@
+from tandem.v1 import api_pb2 as _api_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -108,27 +109,13 @@ class LayerChunk(_message.Message):
     num_layers: int
     def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
-class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "logprob")
-    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    token_id: int
-    logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
-
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "has_logprobs", "logprob", "rank", "top")
+    __slots__ = ("token_id", "logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    TOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
-    has_logprobs: bool
-    logprob: float
-    rank: int
-    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., has_logprobs: _Optional[bool] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    logprobs: _api_pb2.TokenLogprob
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class NamedTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")

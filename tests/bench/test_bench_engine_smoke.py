@@ -13,17 +13,12 @@ import pytest
 from rich.console import Console
 
 from tandem.bench.engine import (
-    PROMPTS_PATH,
     BenchConfig,
     left_pad,
     load_prompts,
     run_engine_bench,
     select_prompts,
     stats,
-)
-
-needs_prompts = pytest.mark.skipif(
-    not PROMPTS_PATH.is_file(), reason=f"benchmark prompts not found at {PROMPTS_PATH}"
 )
 
 
@@ -35,7 +30,6 @@ def test_left_pad_and_stats() -> None:
     assert (s["n"], s["median"], s["min"], s["max"]) == (4, 2.5, 1.0, 10.0)
 
 
-@needs_prompts
 def test_prompt_selection_is_seeded() -> None:
     pool = load_prompts()
     assert {p.category for p in pool}.isdisjoint({"summarization", "rag"})
@@ -45,7 +39,6 @@ def test_prompt_selection_is_seeded() -> None:
     assert select_prompts(pool, 3, seed=0) == first[:3]
 
 
-@needs_prompts
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_engine_smoke(smollm2_path: Path, tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from tandem.bench.serve import ServeConfig, run_serve_bench
-from tandem.bench.workloads import SPECBENCH_PATH, LoadPoint, WorkloadConfig
+from tandem.bench.workloads import LoadPoint, WorkloadConfig
 from tandem.cli import app
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig
@@ -56,7 +56,7 @@ def cluster(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         c.stop(grace_s=5.0)
 
 
-def _check_point(point: dict[str, Any], n: int, via: str) -> None:
+def _check_point(point: dict[str, Any], n: int) -> None:
     s = point["summary"]
     assert (s["num_requests"], s["num_ok"], s["errors"]) == (n, n, {}), s
     assert s["ttft"]["count"] == n and s["e2e"]["count"] == n
@@ -87,7 +87,7 @@ def test_http_random_through_the_cli(cluster: Any, tmp_path: Path) -> None:
     assert report["config"]["api"] == "http" and report["machine"]["git_commit"]
     assert report["model"]["vocab_size"] == 256 and report["model"]["max_model_len"] == 512
     (point,) = report["points"]
-    _check_point(point, 10, "http")
+    _check_point(point, 10)
     assert point["summary"]["goodput"] == pytest.approx(point["summary"]["request_throughput"])
     requests = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
     assert len(requests) == 10 and all(r["output_tokens"] == 8 for r in requests)
@@ -110,14 +110,12 @@ def test_grpc_random_and_specbench_chat(cluster: Any, tmp_path: Path) -> None:
     console = Console(file=io.StringIO(), width=120)
     report = run_serve_bench(base, console)
     (point,) = report["points"]
-    _check_point(point, 10, "grpc")
+    _check_point(point, 10)
     timings = point["server_timings"]
     assert timings["requests"] == timings["via_prefill_worker"] == 10
     assert timings["exposed_transfer_s"]["count"] == 10
     assert point["summary"]["total_throughput"] > point["summary"]["output_throughput"]
 
-    if not SPECBENCH_PATH.is_file():
-        pytest.skip(f"Spec-Bench prompts not found at {SPECBENCH_PATH}")
     chat = ServeConfig(
         url=cluster.http_url,
         grpc=cluster.grpc_target,
@@ -130,6 +128,6 @@ def test_grpc_random_and_specbench_chat(cluster: Any, tmp_path: Path) -> None:
     )
     report = run_serve_bench(chat, console)
     (point,) = report["points"]
-    _check_point(point, 4, "grpc")
+    _check_point(point, 4)
     inputs = [json.loads(line) for line in (tmp_path / "chat" / "inputs.jsonl").open()]
     assert len(inputs) == 20 and all(row["tag"] == "qa" and row["messages"] for row in inputs)

@@ -22,7 +22,6 @@ from tandem.bench.spec import (
     run_spec_bench,
     summarize,
 )
-from tandem.bench.workloads import SPECBENCH_PATH
 
 
 def test_methods_parse_into_engine_settings() -> None:
@@ -85,7 +84,6 @@ def test_summary_ratios_acceptance_and_targets() -> None:
     assert [t["pass"] for t in targets.values()] == [True, True]
 
 
-@pytest.mark.skipif(not SPECBENCH_PATH.is_file(), reason=f"no prompts at {SPECBENCH_PATH}")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_spec_quick(smollm2_path: Path, tmp_path: Path) -> None:

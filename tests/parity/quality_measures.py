@@ -10,14 +10,13 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.quant.lm_head import KERNEL_MAX_ROWS
 
-SPECBENCH = Path(__file__).resolve().parents[2] / "../shared/data/specbench_dev.jsonl"
 # Reference answers with short questions (the long input-grounded ones would time the prefill):
 # worked arithmetic, translations, physics and code answers, per category the first ones; ~2,400
 # answer tokens. (With 6 answers, 336 tokens, a bfloat16 rounding change anywhere in the model,
@@ -30,9 +29,7 @@ GREEDY_TOKENS = 16
 
 
 def questions() -> list[dict]:
-    if not SPECBENCH.is_file():
-        pytest.skip(f"{SPECBENCH} not found: these prompts live in ../shared/data")
-    return [json.loads(line) for line in SPECBENCH.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in SPECBENCH_PATH.read_text().splitlines() if line.strip()]
 
 
 def answer_pairs() -> list[tuple[str, str]]:

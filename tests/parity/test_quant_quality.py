@@ -6,7 +6,7 @@ takes its blocks as they are (the same weights, up to the scales' bfloat16 round
 requantizes each row. Both quantized engines compute decode logits through an int8 copy of the
 (tied) LM head, so perplexities take the logits a few rows at a time, as decode steps do.
 
-- Perplexity of the reference answers of Spec-Bench dev questions (`../shared/data`), each after
+- Perplexity of the reference answers of Spec-Bench dev questions (`tandem/data`), each after
   its chat-templated question: int8 within 1% of bfloat16, int4 within 5%.
 - Greedy output: the fraction of prompts (the first 4 of 6 categories) whose first 16 tokens
   equal the bfloat16 engine's, printed; at least half must. (With 6 prompts the fraction moved by

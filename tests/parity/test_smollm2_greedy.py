@@ -19,13 +19,13 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from tandem.bench.engine import build_reference
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.models.loader import iter_weights
 from tandem.model_config import load_config
 
 pytestmark = pytest.mark.slow
 
-SPECBENCH = Path(__file__).resolve().parents[2] / "../shared/data/specbench_dev.jsonl"
 # First question of each: short factual, open writing, code, long input-grounded, non-English.
 CATEGORIES = ("qa", "writing", "coding", "extraction", "translation")
 NEW_TOKENS = 64
@@ -39,10 +39,8 @@ def llm(smollm2_path: Path) -> LLM:
 
 @pytest.fixture(scope="module")
 def prompts(llm: LLM) -> list[list[int]]:
-    if not SPECBENCH.is_file():
-        pytest.skip(f"{SPECBENCH} not found: these prompts live in ../shared/data")
     first_turns: dict[str, str] = {}
-    for line in SPECBENCH.read_text().splitlines():
+    for line in SPECBENCH_PATH.read_text().splitlines():
         question = json.loads(line)
         first_turns.setdefault(question["category"], question["turns"][0])
     return [

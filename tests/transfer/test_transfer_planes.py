@@ -1,6 +1,7 @@
 """A bare KVSender and KVReceiver in two processes, over small random caches: layout and dtype
-conversion on every plane, and many transfers at once; and a failure on a shared pair does not
-spread to the other transfers on it."""
+conversion on every plane, and many transfers at once; and, in one process, a failure on a shared
+pair does not spread to the other transfers on it, and the trailer carries the first token with
+its logprobs."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 from harness import WorkerProcess
 
-from kv_transfer import KVLayout, KVReceiver, KVSender, TransferState
+from kv_transfer import Arrival, KVLayout, KVReceiver, KVSender, TransferState
 from kv_transfer.layout import slot_mapping
+from tandem.engine.sampler import TokenLogprobs
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(60)]
 
@@ -124,6 +126,35 @@ def test_a_failed_transfer_leaves_its_neighbours_on_the_pair_alone() -> None:
         neighbour.layer_ready(1)
         neighbour.finish(7)
         assert neighbour.wait(5.0) == TransferState.SUCCESS, neighbour.status.error
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize(
+    "logprobs", [None, TokenLogprobs(7, -0.25, 2, (3, 7), (-0.125, -0.25))], ids=["none", "top2"]
+)
+def test_the_trailer_carries_the_first_token_and_its_logprobs(
+    logprobs: TokenLogprobs | None,
+) -> None:
+    shape = (2, 4, 4, 2, 8)  # [2, num_blocks, block_size, heads, dim]
+    receiver = KVReceiver([torch.zeros(shape)], "fp")
+    sender = KVSender("fp", channel="grpc")
+    try:
+        transfer = sender.begin(receiver.expect("r", [0], 4), [torch.randn(shape)])
+        transfer.set_source([1])
+        transfer.all_layers_ready()
+        transfer.finish(7, logprobs)
+        assert transfer.wait(5.0) == TransferState.SUCCESS, transfer.status.error
+        arrivals: list[Arrival] = []
+
+        def arrived() -> bool:
+            arrivals.extend(receiver.poll())
+            return bool(arrivals)
+
+        wait_until(arrived)
+        (arrival,) = arrivals
+        assert (arrival.first_token, arrival.logprobs) == (7, logprobs)
     finally:
         sender.close()
         receiver.close()

@@ -14,7 +14,6 @@ import pytest
 
 from tandem.bench.serving_metrics import Timeline
 from tandem.bench.workloads import (
-    SPECBENCH_PATH,
     BenchRequest,
     LengthDist,
     LoadPoint,
@@ -28,11 +27,7 @@ from tandem.bench.workloads import (
     ramp_warp,
     slot_open_times,
 )
-
-needs_specbench = pytest.mark.skipif(
-    not SPECBENCH_PATH.is_file(), reason=f"Spec-Bench prompts not found at {SPECBENCH_PATH}"
-)
-
+from tandem.data import SPECBENCH_PATH
 
 # --- lengths ------------------------------------------------------------------------------
 
@@ -152,7 +147,6 @@ def test_trace_replay(tmp_path: Path) -> None:
         WorkloadConfig("trace")
 
 
-@needs_specbench
 def test_specbench_first_turns_as_chat() -> None:
     config = WorkloadConfig("specbench:qa,math", output_len="32")
     pool = build_workload(config)

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_spec_decode import DATA, make, prompts, run
+from test_spec_decode import make, prompts, run
 from test_spec_draft import spec_run
 
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.quant.int4 import Int4Linear
 from tandem.engine.quant.int8 import Int8Linear
@@ -69,9 +70,7 @@ def test_greedy_output_equals_the_quantized_targets(
 def test_smollm2_int4_greedy_with_ngram_equals_plain(smollm2_path: Path) -> None:
     """Two input-grounded Spec-Bench prompts (the shortest summarization and rag ones), one at a
     time: int4 SmolLM2 with n-gram drafts decodes int4 SmolLM2's own greedy tokens."""
-    if not DATA.is_file():
-        pytest.skip(f"{DATA} is absent (it lives beside the project in the shared folder)")
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in SPECBENCH_PATH.read_text().splitlines() if line.strip()]
     chats = [
         [{"role": "user", "content": min(texts, key=len)}]
         for texts in (

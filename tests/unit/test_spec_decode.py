@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tandem.config import EngineConfig, parse_speculative
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
@@ -22,7 +23,6 @@ from tandem.engine.spec.proposer import Draft, Proposer, StepHidden
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "specbench_dev.jsonl"
 
 
 def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
@@ -169,9 +169,7 @@ def test_bad_speculative_text_names_the_problem(text: str, message: str) -> None
 
 @pytest.mark.slow
 def test_smollm2_greedy_with_ngram_equals_plain(smollm2_path: Path) -> None:
-    if not DATA.is_file():
-        pytest.skip(f"{DATA} is absent (it lives beside the project in the shared folder)")
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    rows = [json.loads(line) for line in SPECBENCH_PATH.read_text().splitlines()]
     texts = [r["turns"][0] for r in rows if r["category"] in ("summarization", "rag")][:2]
     texts.append(next(r["turns"][0] for r in rows if r["category"] == "writing"))
     chats = [[{"role": "user", "content": t}] for t in texts]

@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from test_spec_decode import DATA, make, prompts, run
+from test_spec_decode import make, prompts, run
 
 from tandem.config import EngineConfig
+from tandem.data import SPECBENCH_PATH
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.spec.draft_vocab import save_ranking
@@ -261,9 +262,7 @@ def test_bad_config_names_the_field(
 @pytest.fixture(scope="module")
 def smollm2_greedy(smollm2_path: Path) -> tuple[list, SamplingParams, list[list[int]]]:
     """Two Spec-Bench chats (writing, rag), greedy params, and plain SmolLM2's output ids."""
-    if not DATA.is_file():
-        pytest.skip(f"{DATA} is absent (it lives beside the project in the shared folder)")
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()]
+    rows = [json.loads(line) for line in SPECBENCH_PATH.read_text().splitlines()]
     texts = [next(r["turns"][0] for r in rows if r["category"] == c) for c in ("writing", "rag")]
     chats = [[{"role": "user", "content": t}] for t in texts]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

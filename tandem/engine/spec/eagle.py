@@ -248,8 +248,6 @@ MAX_HANDOVER_POSITIONS = 8192  # ~19 MB at SmolLM2's float32 hidden size; the tr
 
 
 class EagleProposer(Proposer):
-    needs_hidden_states = True
-
     def __init__(
         self,
         head: EagleHead,

@@ -159,8 +159,6 @@ def _public_weights(path: Path) -> dict[str, Tensor]:
 
 
 class MedusaProposer(Proposer):
-    needs_hidden_states = True
-
     def __init__(
         self, heads: MedusaHeads, lm_head: LMHead, eos_token_ids: tuple[int, ...] = ()
     ) -> None:

@@ -6,8 +6,9 @@ it sampled them from a distribution, that distribution q (the verifier needs it 
 speculative sampling; None means one-hot drafts, as from n-gram lookup or a greedy drafter).
 
 Model-based proposers may need the target's final hidden states of the step that just ran
-(Medusa, EAGLE): they set `needs_hidden_states` and receive a `StepHidden` covering every request
-the step computed (prefill chunks included), after every step, even one with nothing to draft.
+(Medusa, EAGLE): the factory that builds them makes the runner keep those (`keep_hidden`), and
+they receive a `StepHidden` covering every request the step computed (prefill chunks included),
+after every step, even one with nothing to draft.
 
 Disaggregated, a prompt is computed on a prefill worker and decoded on a decode worker; a
 proposer that needs state of the prompt (EAGLE: its hidden states) hands it over
@@ -63,8 +64,6 @@ class StepHidden:
 
 
 class Proposer(ABC):
-    needs_hidden_states = False
-
     @abstractmethod
     def propose(
         self, batch: list[tuple[Request, int]], hidden: StepHidden | None = None

@@ -43,8 +43,8 @@ from rich.console import Console
 from torch import Tensor, nn
 
 from tandem.bench.common import progress_bar
-from tandem.bench.workloads import SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL
+from tandem.data import SPECBENCH_PATH
 from tandem.engine.attention import AttentionMetadata, SeqSpec, TorchSDPABackend
 from tandem.engine.llm import LLM
 from tandem.engine.models.llama import LlamaForCausalLM
@@ -142,8 +142,6 @@ def prompt_ids(llm: LLM, question: str) -> list[int]:
 class _HiddenRecorder(Proposer):
     """Keeps the target's hidden states of every step and drafts nothing: installed as the
     engine's proposer, it sees every position the target computes."""
-
-    needs_hidden_states = True
 
     def __init__(self) -> None:
         self.chunks: dict[str, list[tuple[int, Tensor]]] = defaultdict(list)
