@@ -26,6 +26,7 @@ from torch import Tensor
 
 from tandem.config import EngineConfig
 from tandem.engine import engine as engine_module
+from tandem.engine import executor as executor_module
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.engine import EngineCore
 from tandem.engine.models.config import ModelConfig
@@ -177,9 +178,9 @@ def hash_engine(proposer: Proposer | None = None, **options: Any) -> EngineCore:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module.hub, "resolve", Path)
-        patch.setattr(engine_module, "load_model", load_hash_lm)
+        patch.setattr(executor_module, "load_model", load_hash_lm)
         engine = EngineCore(config)
     if proposer is not None:
-        assert engine.proposer is not None, "pass speculative= for the engine's spec settings"
-        engine.proposer = proposer
+        assert engine.spec_decoder is not None, "pass speculative= for the engine's spec settings"
+        engine.spec_decoder.proposer = proposer
     return engine

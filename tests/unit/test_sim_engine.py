@@ -12,7 +12,7 @@ from tandem.engine.engine import EngineCore
 from tandem.engine.request import Request
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledRequest
-from tandem.engine.sim import SimProfile, fit_profile, sim_token, step_shape
+from tandem.engine.sim import SimProfile, SimRunner, fit_profile, sim_token, step_shape
 
 PROFILE = SimProfile(
     step_overhead_s=0.002,
@@ -141,7 +141,8 @@ def test_sim_engine_capacity_follows_the_real_kv_layout(
         * (real["hidden_size"] // real["num_attention_heads"])
         * 4
     )
-    assert engine.sim is not None and engine.sim.kv_bytes_per_token == per_token
+    assert isinstance(engine.runner, SimRunner)
+    assert engine.runner.profile.kv_bytes_per_token == per_token
     assert engine.kv_cache.num_blocks == int(0.001 * 2**30) // (per_token * 16)
 
 
