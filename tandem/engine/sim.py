@@ -296,14 +296,21 @@ class HeldArrivals(Generic[A]):
     transfer (`SimProfile.transfer_s` of the request's prompt) has passed since it began: the
     sim's KV is tiny and lands almost at once."""
 
-    def __init__(self, source: ArrivalSource[A], profile: SimProfile, scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        source: ArrivalSource[A],
+        profile: SimProfile,
+        scheduler: Scheduler,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.source = source
         self.profile = profile
         self.scheduler = scheduler  # its parked requests: the prompts in flight
+        self.clock = clock
         self._held: list[tuple[float, A]] = []  # (due, arrival)
 
     def poll(self) -> list[A]:
-        now = time.monotonic()
+        now = self.clock()
         for a in self.source.poll():
             req = self.scheduler.parked.get(a.request_key)
             tokens = req.num_prompt_tokens if req is not None else 0
