@@ -109,12 +109,12 @@ class DecodeWorker(EngineLoop):
         self.receiver = KVReceiver(
             engine.runner.kv_caches, fingerprint, host, port, self.shm, enable_pairs
         )
+        self.arrivals = engine.executor.arrivals(self.receiver, engine.scheduler)
         self.transfer = transfer
         self.transfer_metrics = TransferMetrics()
         self._streams: dict[str, OutputStream] = {}
         self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
         self._cancelling: set[str] = set()
-        self._held: list[tuple[float, Arrival]] = []  # sim engine: arrivals still "in flight"
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -153,22 +153,8 @@ class DecodeWorker(EngineLoop):
     # -- loop thread --------------------------------------------------------------------------
 
     def before_step(self) -> None:
-        sim = self.engine.sim
-        if sim is None:
-            for arrival in self.receiver.poll():
-                self._arrived(arrival)
-            return
-        # A simulated engine's KV is tiny: admit it once the modelled transfer would be done.
-        now = time.monotonic()
-        for a in self.receiver.poll():
-            req = self.engine.scheduler.parked.get(a.request_key)
-            tokens = req.num_prompt_tokens if req is not None else 0
-            self._held.append((now + max(sim.transfer_s(tokens) - a.seconds, 0.0), a))
-        if self._held:
-            due = [a for t, a in self._held if t <= now]
-            self._held = [(t, a) for t, a in self._held if t > now]
-            for a in due:
-                self._arrived(a)
+        for arrival in self.arrivals.poll():
+            self._arrived(arrival)
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
         self._issue_tickets()
@@ -197,10 +183,7 @@ class DecodeWorker(EngineLoop):
             assert a.first_token is not None
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
             self.transfer_metrics.success(a.nbytes, a.seconds, exposed)
-            req = scheduler.remote_kv_arrived(rid, a.first_token)
-            if self.engine.proposer is not None and not req.status.finished:
-                self.engine.proposer.adopt_state(rid, a.extras)
-                self.engine.propose_for([req])  # its first decode step verifies drafts too
+            req = self.engine.remote_kv_arrived(rid, a.first_token, a.extras)
             self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
             return
         assert a.error is not None

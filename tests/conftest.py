@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from tandem import hub
-from tandem.engine import engine_core as engine_module
-from tandem.engine.spec import adaptive
+from tandem.engine.spec import adaptive, draft_length
 from tandem.engine.spec.cost import DraftLengthControl
 
 
@@ -45,9 +44,9 @@ def speculate_in_any_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     that follow measured times (spec/cost.py) would make the tests of the drafting machinery
     depend on the machine's speed. Worker processes keep the defaults; the defaults themselves
     are tested in test_spec_adaptive.py and test_spec_cost.py."""
-    monkeypatch.setattr(engine_module, "DraftLengthControl", DraftsAsTheLimitsAllow)
+    monkeypatch.setattr(draft_length, "DraftLengthControl", DraftsAsTheLimitsAllow)
     monkeypatch.setattr(
-        engine_module,
+        draft_length,
         "disable_batch_size",
         lambda configured, device: (
             adaptive.DEFAULT_DISABLE_BATCH_SIZE if configured is None else configured

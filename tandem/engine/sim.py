@@ -4,9 +4,10 @@ Only the model runner is replaced. `SimRunner` sleeps for the step time a `SimPr
 from the step's scheduled tokens, then returns deterministic tokens (a hash of the prompt and the
 position, never an EOS id), so a simulated cluster answers reproducibly. Its KV caches are real
 tensors of a tiny layout (`sim_layers` x [2, num_blocks, block_size, 1, 1]), so KV transfers run
-through the real planes at almost no cost; the decode worker adds the modelled transfer time
-(`transfer_s`) before it admits an arrival. The number of KV blocks follows the real model's KV
-bytes per token, so admission and preemption see the real model's capacity.
+through the real planes at almost no cost; a decode worker sees each arrival once the modelled
+transfer time (`transfer_s`) has passed (`HeldArrivals`). The number of KV blocks follows the real
+model's KV bytes per token, so admission and preemption see the real model's capacity. The sim
+plugs in where the real engine is built (executor.py); nothing else tells them apart.
 
 The step-time model (fitted by `tandem bench calibrate` on the real engine):
 
@@ -27,16 +28,24 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from tandem.engine.request import Request
 from tandem.engine.runner import StepResult
-from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from tandem.model_config import ModelConfig
 
-__all__ = ["SimModel", "SimProfile", "SimRunner", "sim_token"]
+__all__ = [
+    "ArrivalSource",
+    "HeldArrivals",
+    "SimModel",
+    "SimProfile",
+    "SimRunner",
+    "TimedArrival",
+    "sim_token",
+]
 
 _MASK = (1 << 64) - 1
 
@@ -260,3 +269,51 @@ class SimRunner:
                 )
             result.tokens[r.request_id] = tokens
         return result
+
+
+class TimedArrival(Protocol):
+    """A finished KV transfer as a receiver reports it (kv_transfer's `Arrival`)."""
+
+    @property
+    def request_key(self) -> str: ...
+
+    @property
+    def seconds(self) -> float: ...  # from the sender's header to the last byte
+
+
+A = TypeVar("A", bound=TimedArrival)
+
+
+class ArrivalSource(Protocol[A]):
+    """What a decode worker polls for the KV transfers that finished (its receiver)."""
+
+    def poll(self) -> list[A]: ...
+
+
+class HeldArrivals(Generic[A]):
+    """A simulated decode worker's KV arrivals, each held back until the modelled time of its
+    transfer (`SimProfile.transfer_s` of the request's prompt) has passed since it began: the
+    sim's KV is tiny and lands almost at once."""
+
+    def __init__(
+        self,
+        source: ArrivalSource[A],
+        profile: SimProfile,
+        scheduler: Scheduler,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.source = source
+        self.profile = profile
+        self.scheduler = scheduler  # its parked requests: the prompts in flight
+        self.clock = clock
+        self._held: list[tuple[float, A]] = []  # (due, arrival)
+
+    def poll(self) -> list[A]:
+        now = self.clock()
+        for a in self.source.poll():
+            req = self.scheduler.parked.get(a.request_key)
+            tokens = req.num_prompt_tokens if req is not None else 0
+            self._held.append((now + max(self.profile.transfer_s(tokens) - a.seconds, 0.0), a))
+        due = [a for t, a in self._held if t <= now]
+        self._held = [(t, a) for t, a in self._held if t > now]
+        return due

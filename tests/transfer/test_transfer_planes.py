@@ -14,7 +14,7 @@ from harness import WorkerProcess
 
 from kv_transfer import Arrival, KVLayout, KVReceiver, KVSender, TransferState
 from kv_transfer.layout import slot_mapping
-from tandem.engine.sampler import TokenLogprobs
+from tandem.outputs import TokenLogprobs
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(60)]
 

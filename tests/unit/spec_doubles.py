@@ -26,6 +26,7 @@ from torch import Tensor
 
 from tandem.config import EngineConfig
 from tandem.engine import engine_core as engine_module
+from tandem.engine import executor as executor_module
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.dtypes import model_device, model_dtype
 from tandem.engine.engine_core import EngineCore
@@ -178,9 +179,9 @@ def hash_engine(proposer: Proposer | None = None, **options: Any) -> EngineCore:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_module.hub, "resolve", Path)
-        patch.setattr(engine_module, "load_model", load_hash_lm)
+        patch.setattr(executor_module, "load_model", load_hash_lm)
         engine = EngineCore(config)
     if proposer is not None:
-        assert engine.proposer is not None, "pass speculative= for the engine's spec settings"
-        engine.proposer = proposer
+        assert engine.spec_decoder is not None, "pass speculative= for the engine's spec settings"
+        engine.spec_decoder.proposer = proposer
     return engine

@@ -61,8 +61,10 @@ def test_greedy_output_equals_the_quantized_targets(
     assert out == plain
     assert num_drafted > 0
     if name == "self-draft":
-        assert isinstance(engine.proposer, DraftModelProposer)
-        assert isinstance(engine.proposer.model.layers[0].mlp.down_proj, Int8Linear | Int4Linear)
+        assert engine.spec_decoder is not None
+        proposer = engine.spec_decoder.proposer
+        assert isinstance(proposer, DraftModelProposer)
+        assert isinstance(proposer.model.layers[0].mlp.down_proj, Int8Linear | Int4Linear)
         assert num_accepted == num_drafted  # the quantized target drafting for itself
 
 

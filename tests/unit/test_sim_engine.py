@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,8 +11,15 @@ import pytest
 from tandem.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request
-from tandem.engine.scheduler import ScheduledRequest
-from tandem.engine.sim import SimProfile, fit_profile, sim_token, step_shape
+from tandem.engine.scheduler import Role, ScheduledRequest
+from tandem.engine.sim import (
+    HeldArrivals,
+    SimProfile,
+    SimRunner,
+    fit_profile,
+    sim_token,
+    step_shape,
+)
 from tandem.sampling_params import SamplingParams
 
 PROFILE = SimProfile(
@@ -141,7 +149,8 @@ def test_sim_engine_capacity_follows_the_real_kv_layout(
         * (real["hidden_size"] // real["num_attention_heads"])
         * 4
     )
-    assert engine.sim is not None and engine.sim.kv_bytes_per_token == per_token
+    assert isinstance(engine.runner, SimRunner)
+    assert engine.runner.profile.kv_bytes_per_token == per_token
     assert engine.kv_cache.num_blocks == int(0.001 * 2**30) // (per_token * 16)
 
 
@@ -152,3 +161,57 @@ def test_sim_engine_sleeps_the_modelled_time(tiny_llama_path: Path, tmp_path: Pa
     # one prefill step of 100 tokens, then two decode steps at contexts 101 and 102
     expected = 3 * 0.002 + 100 * 0.0001 + 2 * 0.001 + (101 + 102) * 0.00001
     assert engine.runner.busy_s == pytest.approx(expected)  # type: ignore[union-attr]
+
+
+@dataclass
+class _Arrival:
+    request_key: str
+    seconds: float  # the transfer's own time
+
+
+class _Arrivals:
+    """A receiver's `poll()`: what is put in, reported once."""
+
+    def __init__(self) -> None:
+        self.landed: list[_Arrival] = []
+
+    def poll(self) -> list[_Arrival]:
+        landed, self.landed = self.landed, []
+        return landed
+
+
+class _RemotePrompts(Role):
+    def computes_prompt(self, request: Request) -> bool:
+        return False
+
+
+def test_sim_engine_holds_arrivals_for_the_modelled_transfer_time(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    profile = SimProfile(kv_bytes_per_token=1000, transfer_bytes_per_s=1e6, transfer_latency_s=0.1)
+    path = str(tmp_path / "profile.json")
+    profile.save(path)
+    config = EngineConfig.create(str(tiny_llama_path), engine="sim", sim_profile=path)
+    engine = EngineCore(config, _RemotePrompts())
+    engine.add_request("r", [5] * 50, SamplingParams(max_tokens=2))
+    engine.step()
+    assert "r" in engine.scheduler.parked
+    source, now = _Arrivals(), [100.0]
+    arrivals = engine.executor.arrivals(source, engine.scheduler)
+    assert isinstance(arrivals, HeldArrivals)
+    arrivals.clock = lambda: now[0]
+    # 50 tokens: 0.1 s + 50 kB at 1 MB/s = 0.15 s modelled, of which the transfer took 0.05 s
+    parked, gone = _Arrival("r", 0.05), _Arrival("gone", 0.0)  # gone: 0 tokens, 0.1 s
+    source.landed = [parked, gone]
+    assert arrivals.poll() == []
+    now[0] = 100.099
+    assert arrivals.poll() == []
+    now[0] = 100.101
+    assert arrivals.poll() == [parked, gone]
+    assert arrivals.poll() == []
+
+
+def test_real_engine_admits_arrivals_as_they_land(tiny_llama_path: Path) -> None:
+    engine = EngineCore(EngineConfig.create(str(tiny_llama_path), num_blocks=8))
+    source = _Arrivals()
+    assert engine.executor.arrivals(source, engine.scheduler) is source

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine import engine_core as engine_module
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.spec import draft_length
 from tandem.engine.spec.cost import (
     PROBE_PERIOD,
     DraftLengthControl,
@@ -108,7 +108,7 @@ class FixedCosts(StepCosts):
 def test_engine_follows_the_costs_and_keeps_greedy_output(
     tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, step_s: dict[int, float], drafting: bool
 ) -> None:
-    monkeypatch.setattr(engine_module, "DraftLengthControl", DraftLengthControl)  # the real one
+    monkeypatch.setattr(draft_length, "DraftLengthControl", DraftLengthControl)  # the real one
 
     def run(speculative: dict[str, object] | None) -> tuple[list[int], EngineCore]:
         engine = EngineCore(
@@ -116,7 +116,8 @@ def test_engine_follows_the_costs_and_keeps_greedy_output(
                 str(tiny_llama_path), speculative=speculative, num_blocks=64, block_size=4
             )
         )
-        engine.draft_control.costs = FixedCosts(step_s)
+        if engine.spec_decoder is not None:
+            engine.spec_decoder.draft_length.control.costs = FixedCosts(step_s)
         params = SamplingParams(max_tokens=3 * PROBE_PERIOD, temperature=0.0, ignore_eos=True)
         req = engine.add_request("r", [5, 6, 7, 8] * 4, params)
         while engine.has_unfinished():
@@ -127,7 +128,8 @@ def test_engine_follows_the_costs_and_keeps_greedy_output(
     got, engine = run({"method": "ngram", "num_speculative_tokens": 4})
     assert got == want
     stats = engine.scheduler.spec_stats
-    decisions = engine.draft_control.decisions
+    assert engine.spec_decoder is not None
+    decisions = engine.spec_decoder.draft_length.control.decisions
     probes = decisions // PROBE_PERIOD
     assert probes >= 2
     if drafting:  # free positions: every step drafts but the probes

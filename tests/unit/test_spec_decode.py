@@ -214,7 +214,8 @@ def test_smollm2_verified_tokens_score_as_decoded_ones(
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=0)
     plain = LLM(str(smollm2_path), dtype=dtype).chat([chat], params)[0]
     spec = LLM(str(smollm2_path), dtype=dtype, speculative={**NGRAM, "cost_aware": False})
-    spec.engine.proposer = KnownContinuation(list(plain.token_ids))
+    assert spec.engine.spec_decoder is not None
+    spec.engine.spec_decoder.proposer = KnownContinuation(list(plain.token_ids))
     out = spec.chat([chat], params)[0]
     stats = spec.engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens

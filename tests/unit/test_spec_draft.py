@@ -157,8 +157,8 @@ def test_drafts_are_the_drafting_models_own_greedy_continuation(
             num_blocks=num_blocks, block_size=4, max_num_batched_tokens=12,
         )
     )  # fmt: skip
-    assert engine.proposer is not None
-    propose = engine.proposer.propose
+    assert engine.spec_decoder is not None
+    propose = engine.spec_decoder.proposer.propose
     seen: list[tuple[list[int], list[int]]] = []  # (the request's tokens, its drafts)
 
     def recording(batch: list, hidden: object = None) -> list:
@@ -168,7 +168,7 @@ def test_drafts_are_the_drafting_models_own_greedy_continuation(
         )
         return drafts
 
-    engine.proposer.propose = recording  # type: ignore[method-assign]
+    engine.spec_decoder.proposer.propose = recording  # type: ignore[method-assign]
     batch = prompts(7, [30, 9, 50, 17])
     reqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(batch)]
     while engine.has_unfinished():

@@ -112,7 +112,7 @@ def run(
 ) -> list[list[int]]:
     """Run to completion checking both KV pools after every step; everything freed at the end."""
     reqs = [engine.add_request(f"{tag}{i}", p, params) for i, p in enumerate(batch)]
-    proposer = engine.proposer
+    proposer = engine.spec_decoder.proposer if engine.spec_decoder is not None else None
     while engine.has_unfinished():
         engine.step()
         engine.kv_cache.check_integrity()
@@ -201,13 +201,16 @@ def test_eagle_prompt_state_hands_over_as_if_computed_on_the_decode_side(
     (delta,) = prefill.step()
     assert delta.request.status == RequestStatus.FINISHED_PREFILLED
     assert delta.new_token_ids == req.output_token_ids
-    assert not prefill.proposer._seqs  # released here once handed over
+    assert prefill.spec_decoder is not None
+    assert not prefill.spec_decoder.proposer._seqs  # released here once handed over
     prefill.abort("r", RequestStatus.FINISHED_PREFILLED)
     state = {k: tensor_from_proto(tensor_to_proto(k, v)) for k, v in delta.handover.items()}
     assert state[HIDDEN_STATES].shape == (len(prompt), colocated.model.cfg.hidden_size)
     assert state[FIRST_POSITION].tolist() == [0]
 
-    decode = make(tiny_llama_path, spec).proposer
+    decode_spec = make(tiny_llama_path, spec).spec_decoder
+    assert decode_spec is not None
+    decode = decode_spec.proposer
     assert isinstance(decode, EagleProposer)
     decode.adopt_state("r", {HIDDEN_STATES: torch.zeros(4, 3), FIRST_POSITION: torch.tensor([0])})
     assert not decode._seqs  # another hidden size: ignored
@@ -234,8 +237,8 @@ def test_heads_draft_only_from_their_draft_vocabulary(
     tiny_llama_path: Path, head_dirs: dict[str, Path], method: str
 ) -> None:
     engine = make(tiny_llama_path, spec_of(method, head_dirs[method]))
-    proposer = engine.proposer
-    assert proposer is not None
+    assert engine.spec_decoder is not None
+    proposer = engine.spec_decoder.proposer
     drafted: list[int] = []
     propose = proposer.propose
 

@@ -1,6 +1,6 @@
 """The proposer interface: after each step, drafts for the decoding requests' next step.
 
-The engine decides how many drafts each request may get (`adaptive.py`), then asks its proposer
+The engine decides how many drafts each request may get (`draft_length.py`), then asks its proposer
 once for the whole batch. A proposer returns, per request, up to that many draft tokens and, when
 it sampled them from a distribution, that distribution q (the verifier needs it for exact
 speculative sampling; None means one-hot drafts, as from n-gram lookup or a greedy drafter).

@@ -51,6 +51,7 @@ from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.spec.acceptance import SpecStats
+from tandem.engine.spec.decoder import SpecDecoder
 from tandem.engine.spec.draft_vocab import save_ranking
 from tandem.engine.spec.eagle import EagleHead, save_eagle
 from tandem.engine.spec.heads import base_model_fields, hf_config, hf_tensors, save_heads
@@ -178,7 +179,11 @@ def generate_corpus(
     engine = llm.engine
     assert isinstance(engine.runner, ModelRunner)
     recorder = _HiddenRecorder()
-    engine.proposer, engine.runner.keep_hidden = recorder, True  # the engine's proposer hook
+    # The engine's proposer hook: a speculative decoder whose proposer records and drafts nothing.
+    engine.spec_decoder = SpecDecoder(
+        recorder, engine.config, engine.scheduler, engine.max_model_len
+    )
+    engine.runner.keep_hidden = True
     params = SamplingParams(max_tokens=config.gen_tokens, temperature=0.0)
     requests = [engine.add_request(f"corpus-{i}", ids, params) for i, ids in enumerate(prompts)]
     while engine.has_unfinished():  # at least one step
@@ -193,7 +198,7 @@ def generate_corpus(
             hidden = recorder.states(req.request_id, num_computed)
             corpus.append(Sample(tokens, hidden, min(req.num_prompt_tokens, num_computed + 1)))
         engine.abort(req.request_id)
-    engine.proposer, engine.runner.keep_hidden = None, False
+    engine.spec_decoder, engine.runner.keep_hidden = None, False
     return corpus
 
 
