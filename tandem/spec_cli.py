@@ -7,8 +7,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from tandem.bench.workloads import SPECBENCH_PATH
 from tandem.config import DEFAULT_MODEL
+from tandem.specbench import SPECBENCH_PATH
 
 
 def spec_train(

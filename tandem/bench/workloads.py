@@ -47,24 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.serving_metrics import Timeline
+from tandem.specbench import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SPECBENCH_PATH = PROJECT_ROOT.parent / "shared" / "data" / "specbench_dev.jsonl"
-SPECBENCH_CATEGORIES = (
-    "writing",
-    "roleplay",
-    "reasoning",
-    "math",
-    "coding",
-    "extraction",
-    "stem",
-    "humanities",
-    "translation",
-    "summarization",
-    "qa",
-    "math_reasoning",
-    "rag",
-)
 WORKLOADS = ("specbench", "random", "shared-prefix", "interference", "trace")
 DEFAULT_POOL = 100  # generated workloads without --num-requests
 

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tandem.bench.engine import (
-    PROMPTS_PATH,
+from tandem.bench.engine_bench import (
     BenchConfig,
     left_pad,
     load_prompts,
     run_engine_bench,
     select_prompts,
-    stats,
 )
+from tandem.bench.report import stats
+from tandem.specbench import SPECBENCH_PATH
 
 needs_prompts = pytest.mark.skipif(
-    not PROMPTS_PATH.is_file(), reason=f"benchmark prompts not found at {PROMPTS_PATH}"
+    not SPECBENCH_PATH.is_file(), reason=f"benchmark prompts not found at {SPECBENCH_PATH}"
 )
 
 

@@ -16,8 +16,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tandem.bench.experiment import PdConfig, SpecExperimentConfig, long_schedule, salted
-from tandem.bench.workloads import SPECBENCH_PATH, BenchRequest
+from tandem.bench.workloads import BenchRequest
 from tandem.cli import app
+from tandem.specbench import SPECBENCH_PATH
 
 pytestmark = pytest.mark.timeout(180)
 

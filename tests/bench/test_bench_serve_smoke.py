@@ -21,10 +21,12 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from router.core import RouterConfig
-from tandem.bench.serve import ServeConfig, run_serve_bench
-from tandem.bench.workloads import SPECBENCH_PATH, LoadPoint, WorkloadConfig
+from tandem.bench.serve import run_serve_bench
+from tandem.bench.serve_config import ServeConfig
+from tandem.bench.workloads import LoadPoint, WorkloadConfig
 from tandem.cli import app
 from tandem.launcher import LocalCluster
+from tandem.specbench import SPECBENCH_PATH
 
 pytestmark = pytest.mark.timeout(120)
 

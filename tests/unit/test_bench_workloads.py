@@ -14,7 +14,6 @@ import pytest
 
 from tandem.bench.serving_metrics import Timeline
 from tandem.bench.workloads import (
-    SPECBENCH_PATH,
     BenchRequest,
     LengthDist,
     LoadPoint,
@@ -28,6 +27,7 @@ from tandem.bench.workloads import (
     ramp_warp,
     slot_open_times,
 )
+from tandem.specbench import SPECBENCH_PATH
 
 needs_specbench = pytest.mark.skipif(
     not SPECBENCH_PATH.is_file(), reason=f"Spec-Bench prompts not found at {SPECBENCH_PATH}"
