@@ -14,7 +14,7 @@ from tandem.bench.experiment_cli import bench_experiment
 from tandem.bench.quant_cli import bench_quant
 from tandem.bench.serve_cli import bench_serve, bench_sla
 from tandem.bench.sim_cli import register_sim_commands
-from tandem.bench.spec_cli import bench_spec
+from tandem.bench.spec_bench_cli import bench_spec
 from tandem.config import DEFAULT_MODEL, parse_speculative
 from tandem.spec_cli import spec_train
 
@@ -534,7 +534,7 @@ def bench_engine(
     ] = None,
 ) -> None:
     """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
-    from tandem.bench.engine import BenchConfig, run_engine_bench
+    from tandem.bench.engine_bench import BenchConfig, run_engine_bench
 
     run_bench_command(
         lambda: BenchConfig(

@@ -16,11 +16,13 @@ from typing import Any
 
 from rich.console import Console
 
+from tandem import hub
 from tandem.config import EngineConfig
 from tandem.engine.dtypes import kv_dtype
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.sim import SimProfile, fit_profile
+from tandem.model_config import load_config
 from tandem.sampling_params import SamplingParams
 
 
@@ -115,9 +117,6 @@ def measure(config: CalibrateConfig, console: Console | None = None) -> list[dic
 def calibrate(config: CalibrateConfig, console: Console | None = None) -> SimProfile:
     samples = measure(config, console)
     engine_cfg = EngineConfig.create(config.model, dtype=config.dtype)
-    from tandem import hub
-    from tandem.model_config import load_config
-
     cfg = load_config(hub.resolve(config.model))
     source: dict[str, Any] = {
         "model": config.model,

@@ -10,6 +10,8 @@ from typing import Any, Protocol, TypeVar
 import typer
 from rich.console import Console
 
+from tandem.bench.common import BenchError
+
 
 class QuickConfig(Protocol):
     def quick(self) -> Any: ...
@@ -32,8 +34,6 @@ def run_bench_command(
 ) -> None:
     """Build the config (ValueError -> usage error), shrink it for --quick, run it (BenchError
     -> a red message and exit status 1)."""
-    from tandem.bench.engine import BenchError
-
     try:
         config = build()
     except ValueError as e:

@@ -1,29 +1,22 @@
-"""Pieces every benchmark uses: the progress bar, the JSON + PNG report files, and the OpenMP
-wait policy for child processes."""
+"""Pieces every benchmark uses: its error, the JSON + PNG report files, the OpenMP wait policy
+for child processes, and where two greedy outputs part. Torch-free, so that the commands stay
+light."""
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from tandem.config import environment_defaults
 
 
-@contextmanager
-def progress_bar(console: Console) -> Iterator[Progress]:
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        yield progress
+class BenchError(RuntimeError):
+    """The benchmark cannot run or produced something it cannot compare (message says which)."""
 
 
 def write_report(
@@ -41,15 +34,15 @@ def write_report(
     console.print(f"[dim]wrote {path} and {chart}[/dim]")
 
 
-@contextmanager
-def passive_omp() -> Iterator[None]:
+def passive_omp() -> AbstractContextManager[None]:
     """Child processes start with OMP_WAIT_POLICY=PASSIVE unless it is set: on a 2-core machine
     the spinning OpenMP threads of one process starve the other."""
-    key = "OMP_WAIT_POLICY"
-    had = key in os.environ
-    os.environ.setdefault(key, "PASSIVE")
-    try:
-        yield
-    finally:
-        if not had:
-            del os.environ[key]
+    return environment_defaults(OMP_WAIT_POLICY="PASSIVE")
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter ends); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

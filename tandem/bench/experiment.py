@@ -78,20 +78,20 @@ from rich.progress import Progress
 from rich.table import Table
 
 from router.router_server import RouterAddress
-from tandem.bench.common import passive_omp
-from tandem.bench.engine import BenchError, machine_info
+from tandem.bench.common import BenchError, passive_omp
+from tandem.bench.machine import machine_info
+from tandem.bench.report import pyplot, save_chart
 from tandem.bench.serve import (
     GrpcClient,
     HttpClient,
     ModelInfo,
-    PointResult,
-    ServeConfig,
     ServerMetrics,
     model_info,
     run_point,
     server_deltas,
     summarize_point,
 )
+from tandem.bench.serve_config import PointResult, ServeConfig
 from tandem.bench.serving_metrics import Stats, Summary, Timeline, summarize
 from tandem.bench.workloads import (
     BenchRequest,
@@ -622,11 +622,7 @@ def pd_targets(runs: Sequence[PdRun]) -> list[dict[str, Any]]:
 def plot_pd(path: Path, rows: Sequence[dict[str, Any]], ratios: dict[str, float | None]) -> Path:
     """Bars of p50/p99 TTFT and TPOT per deployment (`rows` of `pd_rows`), and the p99 TPOT
     ratio per deployment name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     names = list(ratios)
     ticks = [n.replace(" ", "\n", 1) for n in names]
@@ -677,12 +673,8 @@ def plot_pd(path: Path, rows: Sequence[dict[str, Any]], ratios: dict[str, float 
     axes[2].set_title("p99 TPOT short: with / without the long prompts", fontsize=10)
     axes[2].legend(fontsize=8)
     axes[2].grid(axis="y", alpha=0.3)
-    fig.suptitle(
-        "prefill/decode interference (closed loop of short requests + long prompts)", fontsize=10
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = "prefill/decode interference (closed loop of short requests + long prompts)"
+    save_chart(fig, title, path, dpi=110)
     return path
 
 
@@ -1033,11 +1025,7 @@ def spec_targets(
 
 
 def plot_spec(path: Path, rows: Sequence[dict[str, Any]], dtype: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 7.5), squeeze=False)
     for col, workload in enumerate(workloads):
@@ -1065,10 +1053,8 @@ def plot_spec(path: Path, rows: Sequence[dict[str, Any]], dtype: str) -> Path:
             ax.set_title(f"{workload}: {title}", fontsize=10)
             ax.grid(axis="y", alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f"n-gram speculative decoding on vs off (0P1D, greedy, {dtype})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"n-gram speculative decoding on vs off (0P1D, greedy, {dtype})"
+    save_chart(fig, title, path, dpi=110)
     return path
 
 

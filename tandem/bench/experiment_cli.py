@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from tandem.bench.common import BenchError
 from tandem.config import DEFAULT_MODEL
 
 # The tables need ~90 columns; without a terminal (a log file) rich would cut them at 80.
@@ -73,7 +74,6 @@ def bench_experiment(
     """Side-by-side experiments on fresh local clusters: `pd` runs one interference workload
     (short requests + long prompts) on colocated (with and without chunked prefill) and 1P1D
     deployments; `spec` runs n-gram speculative decoding on vs off across concurrencies."""
-    from tandem.bench.engine import BenchError
     from tandem.bench.experiment import run_pd, run_spec
 
     if experiment not in EXPERIMENTS:

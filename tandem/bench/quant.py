@@ -58,114 +58,54 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from rich.console import Console
 
-from tandem.bench.common import progress_bar, write_report
-from tandem.bench.engine import (
-    BenchError,
+from tandem import hub
+from tandem.bench.common import BenchError, first_difference, write_report
+from tandem.bench.engine_probes import (
     LinearLayer,
     greedy_params,
     kernel_steps_per_s,
-    machine_info,
-    machine_line,
     read_bandwidth,
-    routes_table,
-    stats,
-    target_result,
 )
-from tandem.bench.workloads import SPECBENCH_CATEGORIES
-from tandem.config import DEFAULT_MODEL, KV_CACHE_DTYPES, QUANT_GROUP_SIZES, QUANT_METHODS
-from tandem.data import SPECBENCH_PATH
-from tandem.engine import routes
+from tandem.bench.machine import machine_info, machine_line
+from tandem.bench.quant_config import (
+    BF16,
+    FORMATS,
+    FP32,
+    INSTALL_HINT,
+    LLAMA_CPP,
+    NGRAM,
+    SPEC_OFF,
+    SPECS,
+    TARGET_BATCH_VS_BF16,
+    TARGET_INT4_VS_BF16,
+    TARGET_INT4_VS_LLAMA_CPP,
+    TARGET_INT8_VS_BF16,
+    TARGET_KV_INT8_OF_BF16,
+    TARGET_OF_KERNEL_FLOOR,
+    TARGET_OF_ROOFLINE,
+    QuantBenchConfig,
+)
+from tandem.bench.quant_report import print_report, write_chart
+from tandem.bench.report import routes_table, stats, target_result
+from tandem.config import QUANT_METHODS
+from tandem.engine import LLM, routes
 from tandem.engine.dtypes import KV_TORCH_DTYPES
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
-
-FP32, BF16 = "fp32", "bf16"
-FORMATS = (FP32, BF16, *QUANT_METHODS)
-SPEC_OFF, NGRAM = "off", "ngram"
-SPECS = (SPEC_OFF, NGRAM)
-LLAMA_CPP = "llama.cpp"
-INSTALL_HINT = "pip install -e '.[bench-ref]' (compiles llama.cpp, ~5 minutes)"
-
-# Targets from issue 27 (thresholds, not measurements).
-TARGET_INT8_VS_BF16 = 1.6
-TARGET_INT4_VS_BF16 = 2.0
-TARGET_INT4_VS_LLAMA_CPP = 1.0
-TARGET_OF_ROOFLINE = {FP32: 0.7, BF16: 0.7, "int8": 0.7, "int4": 0.5}
-TARGET_OF_KERNEL_FLOOR = {FP32: 0.85, BF16: 0.85, "int8": 0.85, "int4": 0.85}
-TARGET_BATCH_VS_BF16 = 1.0  # each quantized format at the largest batch
-TARGET_KV_INT8_OF_BF16 = 0.55  # at most
+from tandem.engine.models.loader import load_tokenizer
+from tandem.model_config import load_config
+from tandem.progress import progress_bar
 
 KV_DTYPES = {BF16: torch.bfloat16, "int8": torch.int8}  # the KV caches whose bytes are compared
 
 _WARMUP_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class QuantBenchConfig:
-    model: str = DEFAULT_MODEL
-    formats: tuple[str, ...] = FORMATS
-    group_size: int = 32  # int4
-    kv_cache_dtype: str = "auto"  # of every Tandem engine: "auto" (bfloat16) | "int8" | "fp8"
-    num_speculative_tokens: int = 5
-    batch_sizes: tuple[int, ...] = (1, 16)
-    prompts: int = 3  # batch-1 prompts per round, one at a time
-    new_tokens: int = 128
-    rounds: int = 3
-    threads: int = 2
-    device: str = "cpu"
-    block_size: int = 16
-    kernel_steps: int = 30  # batch-1 steps of the linear layers per kernel-floor sample
-    bandwidth_mib: int = 1024  # float32 tensor summed to measure read bandwidth
-    llama_cpp: bool = True
-    seed: int = 0
-    warmup: bool = True  # one short unmeasured run of every side first
-    categories: tuple[str, ...] = ("summarization", "rag")
-    prompts_path: str = str(SPECBENCH_PATH)
-
-    def __post_init__(self) -> None:
-        unknown = set(self.formats) - set(FORMATS)
-        if unknown or not self.formats:
-            raise ValueError(f"formats must be among {list(FORMATS)}, got {list(self.formats)}")
-        if self.group_size not in QUANT_GROUP_SIZES:
-            raise ValueError(
-                f"group_size must be one of {list(QUANT_GROUP_SIZES)}, got {self.group_size}"
-            )
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be 'auto' or one of {sorted(KV_CACHE_DTYPES)}, "
-                f"got {self.kv_cache_dtype!r}"
-            )
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
-        if self.new_tokens < 2:
-            raise ValueError(f"new_tokens must be >= 2 (decode needs two), got {self.new_tokens}")
-        if self.bandwidth_mib < 16:
-            raise ValueError(f"bandwidth_mib must be >= 16, got {self.bandwidth_mib}")
-        for name in ("num_speculative_tokens", "prompts", "rounds", "threads", "kernel_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if set(self.categories) - set(SPECBENCH_CATEGORIES) or not self.categories:
-            raise ValueError(f"categories must be among {list(SPECBENCH_CATEGORIES)}")
-
-    def quick(self) -> QuantBenchConfig:
-        """A check that the whole pipeline works, not a measurement."""
-        return replace(
-            self,
-            batch_sizes=(1, 2),
-            prompts=1,
-            new_tokens=min(self.new_tokens, 8),
-            rounds=1,
-            kernel_steps=3,
-            bandwidth_mib=64,
-            warmup=False,
-        )
 
 
 @dataclass
@@ -235,8 +175,6 @@ class EngineSide:
     speculation or without."""
 
     def __init__(self, config: QuantBenchConfig, fmt: str, spec: str, num_blocks: int) -> None:
-        from tandem.engine import LLM
-
         self.fmt, self.spec = fmt, spec
         self.label = f"{fmt}, {spec}"
         self.dtype = torch.float32 if fmt == FP32 else torch.bfloat16
@@ -366,11 +304,6 @@ def run_quant_bench(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run the matrix, print the tables and target checks, return (and write) the report."""
-    from tandem import hub
-    from tandem.bench.quant_report import print_report, write_chart
-    from tandem.engine.models.loader import load_tokenizer
-    from tandem.model_config import load_config
-
     console = console or Console()
     torch.set_num_threads(config.threads)
     model_path = hub.resolve(config.model)
@@ -378,14 +311,7 @@ def run_quant_bench(
     num_blocks = kv_blocks(config, prompts)
     machine = {**machine_info(), "torch_threads": torch.get_num_threads()}
     console.print(machine_line(machine))
-    engines: list[EngineSide] = []
-    sides = [(f, s) for f, s in itertools.product(config.formats, SPECS) if (f, s) != (FP32, NGRAM)]
-    with progress_bar(console) as progress:
-        task = progress.add_task("loading engines", total=len(sides))
-        for fmt, spec in sides:
-            progress.update(task, description=f"loading {fmt}, {spec}")
-            engines.append(EngineSide(config, fmt, spec, num_blocks))
-            progress.advance(task)
+    engines = _load_engines(config, num_blocks, console)
     n_ctx = max(len(ids) for _, ids in prompts) + config.new_tokens + 16
     llama, skipped = llama_cpp_side(config, model_path, n_ctx)
     if skipped is not None:
@@ -395,43 +321,16 @@ def run_quant_bench(
     described = {fmt: routes.describe(e.model.routed_products()) for fmt, e in plain.items()}
     for fmt, text in described.items():
         console.print(routes_table(f"{fmt}: kernel routes", text))
-    samples: list[dict[str, Any]] = []
-    kernel: list[dict[str, Any]] = []
-    bandwidth: list[float] = []
-    batches = {b: batches_of(prompts, b, config.prompts) for b in config.batch_sizes}
-    runs = sum(len(bs) * len(_sides(engines, llama, b)) for b, bs in batches.items())
-    with progress_bar(console) as progress:
-        task = progress.add_task("warm-up", total=config.rounds * (runs + len(plain) + 1))
-        if config.warmup:
-            for side in _sides(engines, llama, 1):
-                side.run([prompts[0][1]], _WARMUP_TOKENS)
-        for round_ in range(config.rounds):
-            for batch_size, size_batches in batches.items():
-                for index, batch in enumerate(size_batches):
-                    base: dict[str, Run] = {}
-                    for side in _sides(engines, llama, batch_size):
-                        progress.update(
-                            task,
-                            description=f"round {round_ + 1}: batch {batch_size}, {side.label}",
-                        )
-                        run = side.run([ids for _, ids in batch], config.new_tokens)
-                        if side.spec == SPEC_OFF:
-                            base[side.fmt] = run
-                        samples.append(_sample(round_, batch_size, index, side, batch, run, base))
-                        progress.advance(task)
-            kernel += _kernel_floors(config, plain, round_, progress, task)
-            progress.update(task, description=f"round {round_ + 1}: read bandwidth")
-            bandwidth.append(read_bandwidth(config.bandwidth_mib << 20)[0])
-            progress.advance(task)
+    measured = _measure(config, prompts, engines, llama, console)
 
-    cfg = load_config(model_path)
-    kv = {name: kv_bytes_per_token(cfg, dtype) for name, dtype in KV_DTYPES.items()}
-    summary = summarize(samples, config)
-    floors = summarize_kernel(kernel, summary)
+    summary = summarize(measured.samples, config)
+    floors = summarize_kernel(measured.kernel, summary)
     context = statistics.mean(len(b[0][1]) for b in batches_of(prompts, 1, config.prompts))
     rooflines = summarize_roofline(
-        plain, bandwidth, context + config.new_tokens / 2, summary, config.kv_cache_dtype
+        plain, measured.bandwidth, context + config.new_tokens / 2, summary, config.kv_cache_dtype
     )
+    cfg = load_config(model_path)
+    kv = {name: kv_bytes_per_token(cfg, dtype) for name, dtype in KV_DTYPES.items()}
     report: dict[str, Any] = {
         "benchmark": "quant",
         "config": asdict(config),
@@ -442,11 +341,11 @@ def run_quant_bench(
         "kv_blocks": num_blocks,
         "skipped": {LLAMA_CPP: skipped} if skipped else {},
         "prompts": [{"question_id": q, "n_tokens": len(ids)} for q, ids in prompts],
-        "samples": samples,
+        "samples": measured.samples,
         "summary": summary,
         "kernel_floor": floors,
-        "kernel_samples": kernel,
-        "read_bandwidth_gb_s": stats([b / 1e9 for b in bandwidth]),
+        "kernel_samples": measured.kernel,
+        "read_bandwidth_gb_s": stats([b / 1e9 for b in measured.bandwidth]),
         "roofline": rooflines,
         "kv_bytes_per_token": kv,
         "targets": check_targets(summary, floors, rooflines, kv, config),
@@ -455,6 +354,84 @@ def run_quant_bench(
     if json_out is not None:
         write_report(report, json_out, write_chart, console)
     return report
+
+
+def _load_engines(config: QuantBenchConfig, num_blocks: int, console: Console) -> list[EngineSide]:
+    """Every (format, speculation) engine but fp32 with n-gram, loaded before any measurement."""
+    engines: list[EngineSide] = []
+    sides = [(f, s) for f, s in itertools.product(config.formats, SPECS) if (f, s) != (FP32, NGRAM)]
+    with progress_bar(console) as progress:
+        task = progress.add_task("loading engines", total=len(sides))
+        for fmt, spec in sides:
+            progress.update(task, description=f"loading {fmt}, {spec}")
+            engines.append(EngineSide(config, fmt, spec, num_blocks))
+            progress.advance(task)
+    return engines
+
+
+@dataclass
+class Measurements:
+    """Every round's raw figures: run samples, kernel floors, read bandwidth (bytes/s)."""
+
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    kernel: list[dict[str, Any]] = field(default_factory=list)
+    bandwidth: list[float] = field(default_factory=list)
+
+
+def _measure(
+    config: QuantBenchConfig,
+    prompts: Sequence[tuple[int, list[int]]],
+    engines: list[EngineSide],
+    llama: LlamaCppSide | None,
+    console: Console,
+) -> Measurements:
+    """The warm-up, then per round: every batch on every side, the kernel floors, the read
+    bandwidth."""
+    plain = {e.fmt: e for e in engines if e.spec == SPEC_OFF}
+    measured = Measurements()
+    batches = {b: batches_of(prompts, b, config.prompts) for b in config.batch_sizes}
+    runs = sum(len(bs) * len(_sides(engines, llama, b)) for b, bs in batches.items())
+    with progress_bar(console) as progress:
+        task = progress.add_task("warm-up", total=config.rounds * (runs + len(plain) + 1))
+        if config.warmup:
+            for side in _sides(engines, llama, 1):
+                side.run([prompts[0][1]], _WARMUP_TOKENS)
+        for round_ in range(config.rounds):
+            for batch_size, size_batches in batches.items():
+                for index, batch in enumerate(size_batches):
+                    sides = _sides(engines, llama, batch_size)
+                    measured.samples += _run_batch(
+                        config, round_, batch_size, index, batch, sides, progress, task
+                    )
+            measured.kernel += _kernel_floors(config, plain, round_, progress, task)
+            progress.update(task, description=f"round {round_ + 1}: read bandwidth")
+            measured.bandwidth.append(read_bandwidth(config.bandwidth_mib << 20)[0])
+            progress.advance(task)
+    return measured
+
+
+def _run_batch(
+    config: QuantBenchConfig,
+    round_: int,
+    batch_size: int,
+    index: int,
+    batch: list[tuple[int, list[int]]],
+    sides: Sequence[EngineSide | LlamaCppSide],
+    progress: Any,
+    task: Any,
+) -> list[dict[str, Any]]:
+    """One batch on every side in turn, each run compared with its format's run without
+    speculation."""
+    samples = []
+    base: dict[str, Run] = {}
+    for side in sides:
+        progress.update(task, description=f"round {round_ + 1}: batch {batch_size}, {side.label}")
+        run = side.run([ids for _, ids in batch], config.new_tokens)
+        if side.spec == SPEC_OFF:
+            base[side.fmt] = run
+        samples.append(_sample(round_, batch_size, index, side, batch, run, base))
+        progress.advance(task)
+    return samples
 
 
 def _sides(
@@ -511,19 +488,11 @@ def _sample(
     }
     if side.spec == NGRAM and side.fmt in base:  # per request; None = the same tokens
         pairs = zip(run.token_ids, base[side.fmt].token_ids, strict=True)
-        sample["first_difference"] = [_first_difference(a, b) for a, b in pairs]
+        sample["first_difference"] = [first_difference(a, b) for a, b in pairs]
     if side.fmt == LLAMA_CPP and "int4" in base:
-        first = _first_difference(run.token_ids[0], base["int4"].token_ids[0])
+        first = first_difference(run.token_ids[0], base["int4"].token_ids[0])
         sample["first_difference_int4"] = first
     return sample
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where a and b differ (or where the shorter ends); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # --- summaries and targets ----------------------------------------------------------------
@@ -605,7 +574,6 @@ def summarize_roofline(
     """Per format: the bytes a batch-1 decode step reads (weights through its routes, KV at
     `context` tokens), the memory roofline (median read bandwidth / those bytes, steps/s) and
     the engine's batch 1 (no spec) over it."""
-
     b1 = {
         r["format"]: r["decode_tok_s"]["median"]
         for r in summary

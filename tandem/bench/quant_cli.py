@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from tandem.bench.cli_common import names, run_bench_command
+from tandem.bench.quant_config import QuantBenchConfig
 from tandem.config import DEFAULT_MODEL
 
 # The matrix needs ~140 columns; without a terminal (a log file) rich would cut it at 80.
@@ -48,7 +49,7 @@ def bench_quant(
 ) -> None:
     """Weight formats x n-gram speculation x batch size in one run, with llama.cpp on the same
     GGUF and each format's kernel floor, against the quantization targets."""
-    from tandem.bench.quant import QuantBenchConfig, run_quant_bench
+    from tandem.bench.quant import run_quant_bench
 
     run_bench_command(
         lambda: QuantBenchConfig(

@@ -10,8 +10,16 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tandem.bench.engine import fmt_stats, machine_line, targets_table
-from tandem.bench.quant import LLAMA_CPP, NGRAM, SPEC_OFF
+from tandem.bench.machine import machine_line
+from tandem.bench.quant_config import LLAMA_CPP, NGRAM, SPEC_OFF
+from tandem.bench.report import (
+    fmt_stats,
+    median_bar,
+    pyplot,
+    rounds_title,
+    save_chart,
+    targets_table,
+)
 
 
 def print_report(report: dict[str, Any], console: Console) -> None:
@@ -130,11 +138,7 @@ def _roofline_table(bandwidth: dict[str, float], rows: Sequence[dict[str, Any]])
 def write_chart(report: dict[str, Any], path: Path) -> None:
     """Per batch size, decode tok/s of each format without and with n-gram (median, min-max);
     at batch 1 the kernel floors (steps/s) and llama.cpp as lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     config, rows = report["config"], report["summary"]
     formats = list(config["formats"])
     sizes = list(config["batch_sizes"])
@@ -148,16 +152,9 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
                 row = by_key.get((fmt, spec, b))
                 if row is None:
                     continue
-                st = row["decode_tok_s"]
-                ax.bar(
-                    i + (j - 0.5) * width,
-                    st["median"],
-                    width,
-                    yerr=[[st["median"] - st["min"]], [st["max"] - st["median"]]],
-                    capsize=3,
-                    color=color,
-                    label=f"spec {spec}" if i == 0 else None,
-                )
+                label = f"spec {spec}" if i == 0 else None
+                x = i + (j - 0.5) * width
+                median_bar(ax, x, row["decode_tok_s"], width, capsize=3, color=color, label=label)
                 if b == 1 and spec == SPEC_OFF and fmt in floors:
                     ax.hlines(
                         floors[fmt],
@@ -180,11 +177,4 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("tokens/s")
         ax.legend(fontsize=8, loc="upper left")
         ax.margins(y=0.15)
-    fig.suptitle(
-        f"{config['model']}: {config['new_tokens']} new tokens, greedy, {config['threads']} "
-        f"threads; median, bars min-max over {config['rounds']} rounds",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_chart(fig, rounds_title(config), path)

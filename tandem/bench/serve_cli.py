@@ -1,7 +1,8 @@
 """The `tandem bench serve` and `tandem bench sla` commands (registered by tandem.cli).
 
 Kept apart from tandem.bench.serve, which is imported only when a command runs: `tandem --help`
-stays free of httpx, grpc and torch imports. The two commands share their options.
+stays free of httpx, grpc and torch imports (the config, workload and error modules it imports
+here are light). The two commands share their options.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+
+from tandem.bench.common import BenchError
+from tandem.bench.serve_config import ServeConfig, parse_list, sweep_points
+from tandem.bench.serving_metrics import SLO
+from tandem.bench.workloads import WorkloadConfig, WorkloadError
 
 console = Console()
 
@@ -56,11 +62,8 @@ IgnoreEos = Annotated[
 ]
 
 
-def _config(**kw: Any) -> Any:
+def _config(**kw: Any) -> ServeConfig:
     """A ServeConfig from the shared options (BadParameter on a bad value)."""
-    from tandem.bench.serve import ServeConfig, parse_list, sweep_points
-    from tandem.bench.serving_metrics import SLO
-    from tandem.bench.workloads import WorkloadConfig, WorkloadError
 
     def seconds(ms: float | None) -> float | None:
         return None if ms is None else ms / 1e3
@@ -158,7 +161,6 @@ def bench_serve(
 ) -> None:
     """Load a running cluster (OpenAI HTTP streaming, or gRPC) and report TTFT, TPOT, ITL, E2E,
     throughput, goodput and the server-side deltas per load point."""
-    from tandem.bench.engine import BenchError
     from tandem.bench.serve import run_serve_bench
 
     config = _config(**locals())
@@ -212,8 +214,7 @@ def bench_sla(
 ) -> None:
     """Sweep request rates and report the operating point: the highest rate whose p99 TTFT and
     p99 TPOT meet the SLO (with no failed request)."""
-    from tandem.bench.engine import BenchError
-    from tandem.bench.serve import parse_list, run_sla_bench
+    from tandem.bench.serve import run_sla_bench
 
     if bisect_steps < 0 or not 0 < start_rate <= max_rate:
         raise typer.BadParameter("need bisect_steps >= 0 and 0 < start_rate <= max_rate")

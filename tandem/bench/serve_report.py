@@ -8,18 +8,16 @@ import csv
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from tandem.bench.report import pyplot, save_chart
+from tandem.bench.serve_config import PointResult, ServeConfig
 from tandem.bench.serving_metrics import Stats
-
-if TYPE_CHECKING:
-    from tandem.bench.serve import PointResult, ServeConfig
-    from tandem.bench.workloads import BenchRequest
-
+from tandem.bench.workloads import BenchRequest
 
 # --- console ------------------------------------------------------------------------------
 
@@ -289,9 +287,6 @@ def write_outputs(
 
 
 def write_plots(out: Path, results: Sequence[PointResult]) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
     paths = [
         _plot_latency_vs_load(out / "latency_vs_load.png", results),
         _plot_throughput_vs_tpot(out / "throughput_vs_tpot.png", results),
@@ -306,8 +301,7 @@ def _load_axis(results: Sequence[PointResult]) -> str:
 
 
 def _plot_latency_vs_load(path: Path, results: Sequence[PointResult]) -> Path:
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     xs = [r.point.load for r in results]
     for ax, name in zip(axes, ("ttft", "tpot", "e2e"), strict=True):
@@ -319,10 +313,7 @@ def _plot_latency_vs_load(path: Path, results: Sequence[PointResult]) -> Path:
         ax.set_ylabel("ms")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-    fig.suptitle("latency vs load (measured window)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_chart(fig, "latency vs load (measured window)", path, dpi=110)
     return path
 
 
@@ -331,8 +322,7 @@ def _q(stats: Stats | None, q: str) -> float:
 
 
 def _plot_throughput_vs_tpot(path: Path, results: Sequence[PointResult]) -> Path:
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     pts = [(_q(r.summary.tpot, "p50"), r.summary.output_throughput, r.point.label) for r in results]
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", color="tab:blue")
@@ -363,8 +353,7 @@ def pareto(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def _plot_distributions(path: Path, results: Sequence[PointResult]) -> Path:
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, name in zip(axes, ("ttft", "tpot"), strict=True):
         for r in results:
@@ -388,8 +377,7 @@ def _plot_distributions(path: Path, results: Sequence[PointResult]) -> Path:
 
 
 def _plot_acceptance(path: Path, results: Sequence[PointResult]) -> Path | None:
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     series = []
     for r in results:
         for wid, w in (r.report.get("server") or {}).get("workers", {}).items():

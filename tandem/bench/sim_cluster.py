@@ -14,7 +14,6 @@ is the host-process entry point (SIGTERM: stop every worker, which deregisters i
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import socket
 import subprocess
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.cluster.workers import build_worker
-from tandem.config import EngineConfig, WorkerConfig
+from tandem.config import EngineConfig, WorkerConfig, child_environment
 from tandem.registry import Registry
 from tandem.worker_server import WorkerServer
 
@@ -99,7 +98,7 @@ class SimCluster:
             ]  # fmt: skip
             if self.profile:
                 cmd += ["--profile", self.profile]
-            self.hosts.append(subprocess.Popen(cmd, env=_env()))
+            self.hosts.append(subprocess.Popen(cmd, env=child_environment(OMP_NUM_THREADS="1")))
         self.wait_for_workers(timeout_s)
         http_port = self.http_port or free_port(self.host)
         grpc_port = self.grpc_port or free_port(self.host)
@@ -123,7 +122,7 @@ class SimCluster:
                 str(self.local_prefill_tokens),
                 *self.router_args,
             ],
-            env=_env(),
+            env=child_environment(OMP_NUM_THREADS="1"),
         )
         self.http_url = f"http://{self.host}:{http_port}"
         self.grpc_target = f"{self.host}:{grpc_port}"
@@ -175,12 +174,6 @@ class SimCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
 
 
 def _host_main(argv: list[str]) -> None:

@@ -44,119 +44,40 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from tandem.bench.common import progress_bar, write_report
-from tandem.bench.engine import (
-    BenchError,
-    build_reference,
-    machine_info,
-    quiet_transformers,
-    stats,
-    target_result,
+from tandem import hub
+from tandem.bench.common import BenchError, first_difference, write_report
+from tandem.bench.hf_reference import build_reference, quiet_transformers
+from tandem.bench.machine import machine_info
+from tandem.bench.report import stats, target_result
+from tandem.bench.spec_config import (
+    ALL,
+    GROUPS,
+    HF_ASSISTED,
+    HF_GREEDY,
+    HF_LOOKUP,
+    LARGE_BATCH,
+    NO_SPEC,
+    TARGET_LARGE_BATCH,
+    TARGET_MODEL_B1_CHAT,
+    TARGET_NGRAM_B1_GROUNDED,
+    SpecBenchConfig,
+    SpecMethod,
 )
-from tandem.bench.workloads import SPECBENCH_CATEGORIES
-from tandem.config import DEFAULT_MODEL, DTYPES, parse_speculative
-from tandem.data import SPECBENCH_PATH
+from tandem.bench.spec_report import print_report, write_chart
+from tandem.engine import LLM, SamplingParams
 from tandem.engine.dtypes import TORCH_DTYPES
+from tandem.engine.models.loader import iter_weights, load_tokenizer
 from tandem.engine.spec.acceptance import SpecStats
-
-GROUPS = {
-    "input-grounded": ("summarization", "rag"),
-    "chat": SPECBENCH_CATEGORIES[:8],  # MT-bench's eight
-    "other": ("translation", "qa", "math_reasoning"),
-}
-ALL = "all"
-NO_SPEC = "no spec"
-HF_GREEDY, HF_LOOKUP, HF_ASSISTED = "hf greedy", "hf prompt lookup", "hf assisted"
-
-# Targets from BENCHMARKS.md (thresholds, not measurements).
-TARGET_NGRAM_B1_GROUNDED = 2.0  # vs no speculation, and vs transformers prompt lookup
-TARGET_MODEL_B1_CHAT = 1.5
-TARGET_LARGE_BATCH = 0.95
-LARGE_BATCH = 32
+from tandem.progress import progress_bar
 
 _WARMUP_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class SpecMethod:
-    """One proposer of `--methods`: `ngram`, `layerskip:N`, `draft:MODEL`, `medusa:PATH`,
-    `eagle:PATH`."""
-
-    label: str
-    speculative: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return str(self.speculative["method"])
-
-    @property
-    def model_based(self) -> bool:
-        return self.name != "ngram"
-
-
-def parse_method(text: str, num_speculative_tokens: int) -> SpecMethod:
-    """The engine's `speculative` settings for one `--methods` entry; ValueError names a bad one."""
-    spec = parse_speculative(text, num_speculative_tokens=num_speculative_tokens)
-    return SpecMethod(text.strip(), spec)
-
-
-@dataclass(frozen=True)
-class SpecBenchConfig:
-    model: str = DEFAULT_MODEL
-    methods: tuple[str, ...] = ("ngram",)
-    num_speculative_tokens: int = 5
-    categories: tuple[str, ...] = SPECBENCH_CATEGORIES
-    batch_sizes: tuple[int, ...] = (1, 4, 16, 32)
-    prompts_per_category: int = 3  # batch-1 prompts of each category
-    new_tokens: int = 128
-    rounds: int = 1
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int = 2
-    block_size: int = 16
-    references: bool = True  # transformers at batch 1
-    seed: int = 0
-    warmup: bool = True  # one short unmeasured run of every side first
-    prompts_path: str = str(SPECBENCH_PATH)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        unknown = set(self.categories) - set(SPECBENCH_CATEGORIES)
-        if unknown or not self.categories:
-            raise ValueError(
-                f"categories must be among {', '.join(SPECBENCH_CATEGORIES)}, got "
-                f"{sorted(unknown) or 'none'}"
-            )
-        if not self.methods:
-            raise ValueError("methods is empty")
-        self.parsed_methods()  # raises on a bad method
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
-        for name in ("prompts_per_category", "new_tokens", "rounds", "threads", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-
-    def parsed_methods(self) -> list[SpecMethod]:
-        return [parse_method(m, self.num_speculative_tokens) for m in self.methods]
-
-    def quick(self) -> SpecBenchConfig:
-        """A check that the whole pipeline works, not a measurement."""
-        return replace(
-            self,
-            batch_sizes=tuple(b for b in self.batch_sizes if b <= 4) or (1,),
-            prompts_per_category=1,
-            new_tokens=min(self.new_tokens, 16),
-            rounds=1,
-            warmup=False,
-        )
 
 
 @dataclass(frozen=True)
@@ -229,8 +150,6 @@ class EngineSide:
     """A Tandem `LLM`, with one proposer or none."""
 
     def __init__(self, config: SpecBenchConfig, method: SpecMethod | None, num_blocks: int) -> None:
-        from tandem.engine import LLM
-
         self.label = NO_SPEC if method is None else method.label
         self.llm = LLM(
             config.model,
@@ -245,8 +164,6 @@ class EngineSide:
         )
 
     def run(self, batch: list[list[int]], new_tokens: int) -> RunResult:
-        from tandem.engine import SamplingParams
-
         stats = self.llm.engine.scheduler.spec_stats
         before = counters(stats)
         t0 = time.perf_counter()
@@ -315,9 +232,6 @@ class ReferenceSide:
 
 def dense_model(name: str, dtype: str, device: str) -> Any:
     """A dense transformers model with the checkpoint's weights (as in `tandem bench engine`)."""
-    from tandem import hub
-    from tandem.engine.models.loader import iter_weights
-
     path = hub.resolve(name)
     return build_reference(path, dict(iter_weights(path)), TORCH_DTYPES[dtype]).to(device)
 
@@ -354,17 +268,48 @@ def run_spec_bench(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark, print the tables and target checks, return (and write) the report."""
-    from tandem import hub
-    from tandem.bench.spec_report import print_report, write_chart
-    from tandem.engine.models.loader import load_tokenizer
-
     console = console or Console()
     torch.set_num_threads(config.threads)
     model_path = hub.resolve(config.model)
     prompts = load_prompts(config, load_tokenizer(model_path))
     num_blocks = kv_blocks_needed(config, prompts)
     methods = config.parsed_methods()
+    engines, skipped = _load_engines(config, methods, num_blocks, console)
+    built = [m for m in methods if m.label not in skipped]
+    references: list[ReferenceSide] = []
+    if config.references and 1 in config.batch_sizes:
+        with quiet_transformers():
+            references = reference_sides(config, built, console)
+    samples = _measure(config, prompts, engines, references, console)
 
+    rows = summarize(samples, config, [NO_SPEC, *[m.label for m in built]])
+    report: dict[str, Any] = {
+        "benchmark": "spec",
+        "config": asdict(config),
+        "method": __doc__,
+        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
+        "model_path": str(model_path),
+        "kv_blocks": num_blocks,
+        "skipped": skipped,
+        "prompts": {
+            c: [{"question_id": p.question_id, "n_tokens": len(p.token_ids)} for p in ps]
+            for c, ps in prompts.items()
+        },
+        "samples": samples,
+        "summary": rows,
+        "targets": check_targets(rows, built),
+    }
+    print_report(report, console)
+    if json_out is not None:
+        write_report(report, json_out, write_chart, console)
+    return report
+
+
+def _load_engines(
+    config: SpecBenchConfig, methods: Sequence[SpecMethod], num_blocks: int, console: Console
+) -> tuple[list[EngineSide], dict[str, str]]:
+    """(the engine without speculation, then one per method the engine builds; why each other
+    method is skipped)."""
     engines = [EngineSide(config, None, num_blocks)]
     skipped: dict[str, str] = {}
     for m in methods:
@@ -375,12 +320,17 @@ def run_spec_bench(
             console.print(f"[yellow]skipping {m.label}:[/yellow] {e}")
     if len(engines) == 1:
         raise BenchError(f"no speculative method could be built: {skipped}")
-    built = [m for m in methods if m.label not in skipped]
-    references: list[ReferenceSide] = []
-    if config.references and 1 in config.batch_sizes:
-        with quiet_transformers():
-            references = reference_sides(config, built, console)
+    return engines, skipped
 
+
+def _measure(
+    config: SpecBenchConfig,
+    prompts: dict[str, list[Prompt]],
+    engines: Sequence[EngineSide],
+    references: Sequence[ReferenceSide],
+    console: Console,
+) -> list[dict[str, Any]]:
+    """The warm-up, then every batch of the plan on every side (references at batch 1 only)."""
     plan = list(_plan(config, prompts))
     samples: list[dict[str, Any]] = []
     with quiet_transformers(), progress_bar(console) as progress:
@@ -405,28 +355,7 @@ def run_spec_bench(
                     _sample(round_, category, batch_size, index, side.label, batch, result, base)
                 )
                 progress.advance(task)
-
-    rows = summarize(samples, config, [NO_SPEC, *[m.label for m in built]])
-    report: dict[str, Any] = {
-        "benchmark": "spec",
-        "config": asdict(config),
-        "method": __doc__,
-        "machine": {**machine_info(), "torch_threads": torch.get_num_threads()},
-        "model_path": str(model_path),
-        "kv_blocks": num_blocks,
-        "skipped": skipped,
-        "prompts": {
-            c: [{"question_id": p.question_id, "n_tokens": len(p.token_ids)} for p in ps]
-            for c, ps in prompts.items()
-        },
-        "samples": samples,
-        "summary": rows,
-        "targets": check_targets(rows, built),
-    }
-    print_report(report, console)
-    if json_out is not None:
-        write_report(report, json_out, write_chart, console)
-    return report
+    return samples
 
 
 def sides_of(
@@ -460,7 +389,7 @@ def _sample(
 ) -> dict[str, Any]:
     """One run as JSON; `base` is the same batch's run without speculation."""
     differs = [
-        _first_difference(a, b) for a, b in zip(result.token_ids, base.token_ids, strict=True)
+        first_difference(a, b) for a, b in zip(result.token_ids, base.token_ids, strict=True)
     ]
     output_tokens = sum(len(t) for t in result.token_ids)
     return {
@@ -478,14 +407,6 @@ def _sample(
         "first_difference": differs,  # vs no spec, per request; None = same output
         "spec": result.spec,
     }
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first token where a and b differ (or where the shorter ends); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 # --- summaries and targets ----------------------------------------------------------------

@@ -10,8 +10,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from tandem.bench.engine import targets_table
-from tandem.bench.spec import (
+from tandem.bench.report import pyplot, save_chart, targets_table
+from tandem.bench.spec_config import (
     ALL,
     GROUPS,
     HF_ASSISTED,
@@ -151,12 +151,7 @@ def _reference_table(rows: Sequence[dict[str, Any]]) -> Table:
 def write_chart(report: dict[str, Any], path: Path) -> None:
     """Left: spec / no spec output tok/s against batch size per method and group, with the
     targets; right: acceptance rate per draft position at batch 1."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
+    plt = pyplot()
     rows, config = report["summary"], report["config"]
     fig, (ax_ratio, ax_pos) = plt.subplots(1, 2, figsize=(12, 4.8))
     scopes = [s for s in (*GROUPS, ALL) if any(r["scope"] == s for r in rows)]
@@ -194,16 +189,13 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
     ax_ratio.set_xlabel("batch size")
     ax_ratio.set_ylabel("output tok/s, spec / no spec")
     ax_ratio.legend(fontsize=7)
-    ax_pos.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_pos.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     ax_pos.set_xlabel("draft position")
     ax_pos.set_ylabel("acceptance rate, batch 1")
     ax_pos.set_ylim(0, 1)
     ax_pos.legend(fontsize=7)
-    fig.suptitle(
+    title = (
         f"{config['model']}: {config['dtype']}, <= {config['new_tokens']} new tokens, greedy, "
-        f"{config['threads']} threads, k = {config['num_speculative_tokens']}",
-        fontsize=10,
+        f"{config['threads']} threads, k = {config['num_speculative_tokens']}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_chart(fig, title, path)

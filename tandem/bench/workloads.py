@@ -47,23 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.serving_metrics import Timeline
-from tandem.data import SPECBENCH_PATH
+from tandem.data import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 
-SPECBENCH_CATEGORIES = (
-    "writing",
-    "roleplay",
-    "reasoning",
-    "math",
-    "coding",
-    "extraction",
-    "stem",
-    "humanities",
-    "translation",
-    "summarization",
-    "qa",
-    "math_reasoning",
-    "rag",
-)
 WORKLOADS = ("specbench", "random", "shared-prefix", "interference", "trace")
 DEFAULT_POOL = 100  # generated workloads without --num-requests
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tandem.bench.engine import (
+from tandem.bench.engine_bench import (
     BenchConfig,
     left_pad,
     load_prompts,
     run_engine_bench,
     select_prompts,
-    stats,
 )
+from tandem.bench.report import stats
 
 
 def test_left_pad_and_stats() -> None:

@@ -10,15 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tandem.bench.quant import (
-    LLAMA_CPP,
-    NGRAM,
-    SPEC_OFF,
-    QuantBenchConfig,
-    check_targets,
-    run_quant_bench,
-    summarize,
-)
+from tandem.bench.quant import check_targets, run_quant_bench, summarize
+from tandem.bench.quant_config import LLAMA_CPP, NGRAM, SPEC_OFF, QuantBenchConfig
 
 
 def sample(fmt: str, spec: str, batch_size: int, decode_tok_s: float) -> dict:

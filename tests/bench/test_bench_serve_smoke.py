@@ -20,7 +20,8 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tandem.bench.serve import ServeConfig, run_serve_bench
+from tandem.bench.serve import run_serve_bench
+from tandem.bench.serve_config import ServeConfig
 from tandem.bench.workloads import LoadPoint, WorkloadConfig
 from tandem.cli import app
 from tandem.cluster.local_cluster import LocalCluster

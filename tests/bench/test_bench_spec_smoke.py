@@ -10,18 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from tandem.bench.spec import (
-    HF_LOOKUP,
-    NO_SPEC,
-    Prompt,
-    RunResult,
-    SpecBenchConfig,
-    _sample,
-    check_targets,
-    parse_method,
-    run_spec_bench,
-    summarize,
-)
+from tandem.bench.spec import Prompt, RunResult, _sample, check_targets, run_spec_bench, summarize
+from tandem.bench.spec_config import HF_LOOKUP, NO_SPEC, SpecBenchConfig, parse_method
 
 
 def test_methods_parse_into_engine_settings() -> None:

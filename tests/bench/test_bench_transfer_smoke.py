@@ -15,15 +15,9 @@ import torch
 from rich.console import Console
 from typer.testing import CliRunner
 
-from tandem.bench.transfer import (
-    BenchConfig,
-    block_order,
-    kv_checksum,
-    plan_devices,
-    reference_of,
-    run_transfer_bench,
-    target_of,
-)
+from tandem.bench.transfer import run_transfer_bench
+from tandem.bench.transfer_channels import block_order, kv_checksum
+from tandem.bench.transfer_config import BenchConfig, plan_devices, reference_of, target_of
 from tandem.cli import app
 
 

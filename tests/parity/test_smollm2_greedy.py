@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tandem.bench.engine import build_reference
+from tandem.bench.hf_reference import build_reference
 from tandem.data import SPECBENCH_PATH
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.models.loader import iter_weights

@@ -10,16 +10,15 @@ import pytest
 from tandem.bench.serve import (
     ClusterScrape,
     HttpClient,
-    ServeConfig,
     WorkerScrape,
     leak_check,
     next_sla_rate,
     operating_point,
     parse_metrics,
     router_delta,
-    sweep_points,
     worker_delta,
 )
+from tandem.bench.serve_config import ServeConfig, sweep_points
 from tandem.bench.serve_report import pareto
 from tandem.bench.serving_metrics import Timeline
 from tandem.bench.workloads import LoadPoint, WorkloadError

@@ -42,9 +42,7 @@ import torch.nn.functional as F
 from rich.console import Console
 from torch import Tensor, nn
 
-from tandem.bench.common import progress_bar
 from tandem.config import DEFAULT_MODEL
-from tandem.data import SPECBENCH_PATH
 from tandem.engine.attention import AttentionMetadata, SeqSpec, TorchSDPABackend
 from tandem.engine.llm import LLM
 from tandem.engine.models.llama import LlamaForCausalLM
@@ -57,6 +55,7 @@ from tandem.engine.spec.eagle import EagleHead, save_eagle
 from tandem.engine.spec.heads import base_model_fields, hf_config, hf_tensors, save_heads
 from tandem.engine.spec.medusa import MedusaHeads, save_medusa
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
+from tandem.progress import progress_bar
 from tandem.sampling_params import SamplingParams
 
 METHODS = ("eagle", "medusa", "draft")
@@ -70,9 +69,9 @@ EAGLE_NOISE = 0.2  # width of the uniform noise on the head's input states (EAGL
 class TrainConfig:
     method: str
     out: str
+    prompts: str  # Spec-Bench JSONL: the first turn of each question
     model: str = DEFAULT_MODEL
     minutes: float = 5.0
-    prompts: str = str(SPECBENCH_PATH)
     seed: int = 0
     device: str = "cpu"
     num_threads: int | None = None

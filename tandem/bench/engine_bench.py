@@ -49,17 +49,12 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import platform
 import random
-import statistics
-import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from rich import box
@@ -68,14 +63,30 @@ from rich.progress import Progress
 from rich.table import Table
 from torch import nn
 
-from tandem.bench.common import progress_bar
+from tandem import hub
+from tandem.bench.common import BenchError, write_report
+from tandem.bench.engine_probes import greedy_params, kernel_steps_per_s, read_bandwidth
+from tandem.bench.hf_reference import build_reference, quiet_transformers
+from tandem.bench.machine import machine_info, machine_line
+from tandem.bench.report import (
+    fmt_stats,
+    median_bar,
+    pyplot,
+    rounds_title,
+    routes_table,
+    save_chart,
+    stats,
+    target_result,
+    targets_table,
+)
 from tandem.config import DEFAULT_MODEL, DTYPES, QUANT_METHODS, CacheConfig
 from tandem.data import SPECBENCH_PATH
-from tandem.engine import routes
+from tandem.engine import LLM, routes
 from tandem.engine.dtypes import TORCH_DTYPES
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.models.loader import iter_weights
+from tandem.progress import progress_bar
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 EXCLUDED_CATEGORIES = frozenset({"summarization", "rag"})
 
 # Targets from BENCHMARKS.md (thresholds, not measurements).
@@ -83,14 +94,8 @@ TARGET_B1_OF_KERNEL_FLOOR = 0.80
 TARGET_B1_BF16_VS_HF = 1.3
 TARGET_BATCH_BF16_VS_HF = 2.5
 
-_BANDWIDTH_TRIALS = 5
-_KERNEL_WARMUP_STEPS = 2
 _WARMUP_B1_TOKENS = 16
 _WARMUP_BATCH_TOKENS = 4
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run or produced something it cannot compare (message says which)."""
 
 
 @dataclass(frozen=True)
@@ -188,8 +193,6 @@ class EngineSide:
     name = "engine"
 
     def __init__(self, config: BenchConfig, dtype: str) -> None:
-        from tandem.engine import LLM
-
         self.llm = LLM(
             config.model,
             dtype=dtype,
@@ -223,13 +226,6 @@ class EngineSide:
                 f"engine produced {sorted(counts)} tokens per request, not {new_tokens}"
             )
         return wall
-
-
-def greedy_params(new_tokens: int) -> Any:
-    """Greedy decoding of exactly `new_tokens` tokens (EOS ignored)."""
-    from tandem.engine import SamplingParams
-
-    return SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
 
 
 class ReferenceSide:
@@ -306,52 +302,6 @@ def left_pad(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return input_ids, mask
 
 
-def build_reference(model_path: Path, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Any:
-    """A dense transformers model from the checkpoint's config and HF-named float32 weights."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
-
-    from tandem.model_config import load_config
-
-    cfg = load_config(model_path)
-    scaling = dict(cfg.rope_scaling or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **scaling}
-    eos = list(cfg.eos_token_ids)
-    common: dict[str, Any] = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        rms_norm_eps=cfg.rms_norm_eps,
-        max_position_embeddings=cfg.max_position_embeddings,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        bos_token_id=cfg.bos_token_id,
-        eos_token_id=eos or None,
-        pad_token_id=eos[0] if eos else None,
-        rope_parameters=rope,
-    )
-    hf_config: Any
-    if cfg.architecture == "llama":
-        hf_config = LlamaConfig(**common, attention_bias=cfg.attention_bias)
-    elif cfg.architecture == "qwen2":
-        hf_config = Qwen2Config(**common)
-    else:
-        hf_config = Qwen3Config(**common, attention_bias=cfg.attention_bias)
-    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
-    result = model.load_state_dict(state, strict=False)
-    missing = set(result.missing_keys) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-    if missing or result.unexpected_keys:
-        raise BenchError(
-            f"reference model weights do not match: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(result.unexpected_keys)[:5]}"
-        )
-    return model.to(dtype).eval()
-
-
 # --- limits -------------------------------------------------------------------------------
 
 
@@ -392,45 +342,6 @@ def _fuse(*parts: nn.Linear) -> nn.Linear:
     return fused
 
 
-class LinearLayer(Protocol):
-    """What the kernel floor runs: `nn.Linear`, the quantized layers, an LM head."""
-
-    @property
-    def in_features(self) -> int: ...
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
-
-
-def kernel_steps_per_s(
-    layers: Sequence[LinearLayer], steps: int, dtype: torch.dtype, device: torch.device
-) -> float:
-    """Batch-1 steps per second of `layers` alone, run back to back, on inputs in `dtype`."""
-    features = {layer.in_features for layer in layers}
-    inputs = {f: torch.randn(1, f, dtype=dtype, device=device) for f in features}
-    pairs = [(layer, inputs[layer.in_features]) for layer in layers]  # x: [1, in_features]
-    with torch.inference_mode():
-        for _ in range(_KERNEL_WARMUP_STEPS):
-            for layer, x in pairs:
-                layer(x)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            for layer, x in pairs:
-                layer(x)
-        return steps / (time.perf_counter() - t0)
-
-
-def read_bandwidth(nbytes: int, trials: int = _BANDWIDTH_TRIALS) -> tuple[float, list[float]]:
-    """(bytes/s of the best trial, seconds of every trial) for `t.sum()` over `nbytes` float32."""
-    t = torch.ones(nbytes // 4, dtype=torch.float32)
-    t.sum()  # warm: pages touched, kernels loaded
-    seconds = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        t.sum()
-        seconds.append(time.perf_counter() - t0)
-    return t.numel() * t.element_size() / min(seconds), seconds
-
-
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter; `parameters()` yields a tied embedding once."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
@@ -445,9 +356,6 @@ def run_engine_bench(
     console: Console | None = None,
 ) -> dict[str, Any]:
     """Run the whole benchmark, print tables and target checks, return (and write) the report."""
-    from tandem import hub
-    from tandem.engine.models.loader import iter_weights
-
     console = console or Console()
     pool = load_prompts()
     b1_prompts = select_prompts(pool, config.prompts_per_round, config.seed)
@@ -469,144 +377,210 @@ def run_engine_bench(
     per_dtype_units = 2 + config.rounds * (2 * config.prompts_per_round + 5)
     with quiet_transformers(), progress_bar(console) as progress:
         task = progress.add_task("loading weights", total=per_dtype_units * len(config.dtypes))
-        state = dict(iter_weights(model_path))
+        inputs = Inputs(model_path, dict(iter_weights(model_path)), b1_prompts, batch_prompts)
         for dtype in config.dtypes:
-            result, prompts = _bench_dtype(
-                config, dtype, model_path, state, b1_prompts, batch_prompts, progress, task
-            )
+            result, prompts = _bench_dtype(config, dtype, inputs, progress, task)
             report["results"][dtype] = result
             report["prompts"] = prompts
             report["routes"][dtype] = result.pop("routes")
             progress.console.print(routes_table(f"{dtype}: kernel routes", report["routes"][dtype]))
             progress.console.print(_dtype_table(config, dtype, result))
-        del state
+        del inputs  # the float32 weights
     report["targets"] = check_targets(config, report["results"])
     console.print(targets_table(report["targets"]))
     if json_out is not None:
-        path = Path(json_out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2) + "\n")
-        chart = path.with_suffix(".png")
-        write_chart(report, chart)
-        console.print(f"[dim]wrote {path} and {chart}[/dim]")
+        write_report(report, json_out, write_chart, console)
     return report
 
 
+@dataclass(frozen=True)
+class Inputs:
+    """What every dtype runs on: the checkpoint's path and its HF-named float32 weights, and the
+    prompts (the same every round)."""
+
+    model_path: Path
+    state: dict[str, torch.Tensor]
+    b1_prompts: list[BenchPrompt]
+    batch_prompts: list[BenchPrompt]
+
+
+@dataclass
+class DtypeSetup:
+    """One dtype's two sides, its prompts as token ids and the reference's linear layers for the
+    kernel floor, loaded before its first round."""
+
+    dtype: str
+    engine: EngineSide
+    reference: ReferenceSide
+    routes: dict[str, str]  # the engine's kernel routes (`routes.describe`)
+    b1_ids: list[list[int]]
+    batch_ids: list[list[int]]
+    separate: list[nn.Linear]  # transformers' layout
+    fused: list[nn.Linear]  # the engine's layout
+    nbytes: int  # weight bytes in the dtype under test
+
+    @property
+    def kernel_inputs(self) -> tuple[torch.dtype, torch.device]:
+        """Where the kernel floor's inputs live: the dtype under test, the reference's device."""
+        return TORCH_DTYPES[self.dtype], self.reference.model.device
+
+
+@dataclass
+class Samples:
+    """One dtype's raw samples, one list per measurement."""
+
+    b1: list[dict[str, Any]] = field(default_factory=list)
+    batch: list[dict[str, Any]] = field(default_factory=list)
+    kernel: list[dict[str, Any]] = field(default_factory=list)
+    bandwidth: list[dict[str, Any]] = field(default_factory=list)
+
+
 def _bench_dtype(
-    config: BenchConfig,
-    dtype: str,
-    model_path: Path,
-    state: dict[str, torch.Tensor],
-    b1_prompts: list[BenchPrompt],
-    batch_prompts: list[BenchPrompt],
-    progress: Progress,
-    task: Any,
+    config: BenchConfig, dtype: str, inputs: Inputs, progress: Progress, task: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    n = config.new_tokens
+    """Load both sides in `dtype`, warm them up, run every round; (result, prompt records)."""
     progress.update(task, description=f"{dtype}: loading engine and transformers")
+    setup = _load_sides(config, dtype, inputs)
+    progress.advance(task)
+    if config.warmup:
+        progress.update(task, description=f"{dtype}: warm-up")
+        _warm_up(config, setup)
+    progress.advance(task)
+    samples = Samples()
+    for r in range(config.rounds):
+        _run_round(config, setup, r, inputs.b1_prompts, samples, progress, task)
+
+    described, nbytes = setup.routes, setup.nbytes
+    prompts = {
+        "batch1": _prompt_records(inputs.b1_prompts, setup.b1_ids),
+        "batch": _prompt_records(inputs.batch_prompts, setup.batch_ids),
+    }
+    del setup
+    gc.collect()
+    return {**_summarize(samples, nbytes), "routes": described}, prompts
+
+
+def _load_sides(config: BenchConfig, dtype: str, inputs: Inputs) -> DtypeSetup:
     engine = EngineSide(config, dtype)
     engine_model = cast(LlamaForCausalLM, engine.llm.engine.model)
     described = routes.describe(engine_model.routed_products())
-    reference = ReferenceSide(model_path, state, dtype)
-    b1_ids = [engine.chat_ids(p.text) for p in b1_prompts]
-    batch_ids = [engine.chat_ids(p.text) for p in batch_prompts]
-    separate = linear_layers(reference.model, fused=False)
-    fused = linear_layers(reference.model, fused=True)
-    nbytes = weight_bytes(reference.model)
-    on = (TORCH_DTYPES[dtype], reference.model.device)  # the kernel floor's inputs
+    reference = ReferenceSide(inputs.model_path, inputs.state, dtype)
+    return DtypeSetup(
+        dtype=dtype,
+        engine=engine,
+        reference=reference,
+        routes=described,
+        b1_ids=[engine.chat_ids(p.text) for p in inputs.b1_prompts],
+        batch_ids=[engine.chat_ids(p.text) for p in inputs.batch_prompts],
+        separate=linear_layers(reference.model, fused=False),
+        fused=linear_layers(reference.model, fused=True),
+        nbytes=weight_bytes(reference.model),
+    )
+
+
+def _warm_up(config: BenchConfig, setup: DtypeSetup) -> None:
+    n = config.new_tokens
+    for side in (setup.engine, setup.reference):
+        side.decode_b1(setup.b1_ids[0], min(n, _WARMUP_B1_TOKENS))
+        side.generate_batch(setup.batch_ids, min(n, _WARMUP_BATCH_TOKENS))
+
+
+def _run_round(
+    config: BenchConfig,
+    setup: DtypeSetup,
+    r: int,
+    b1_prompts: list[BenchPrompt],
+    samples: Samples,
+    progress: Progress,
+    task: Any,
+) -> None:
+    """One round, the sides alternating engine first: batch 1 per prompt, then batch `batch`,
+    then the kernel floors and the read bandwidth."""
+    label = f"{setup.dtype} round {r + 1}"
+    for i, (prompt, ids) in enumerate(zip(b1_prompts, setup.b1_ids, strict=True)):
+        samples.b1.append(_b1_sample(config, setup, r, i, prompt, ids, label, progress, task))
+    samples.batch.append(_batch_sample(config, setup, r, label, progress, task))
+    progress.update(task, description=f"{label}: kernel floor")
+    steps, on = config.kernel_steps, setup.kernel_inputs
+    samples.kernel.append(
+        {
+            "round": r,
+            "steps": steps,
+            "separate_steps_s": kernel_steps_per_s(setup.separate, steps, *on),
+            "fused_steps_s": kernel_steps_per_s(setup.fused, steps, *on),
+        }
+    )
+    progress.advance(task, 2)
+    progress.update(task, description=f"{label}: read bandwidth")
+    bps, seconds = read_bandwidth(config.bandwidth_mib << 20)
+    samples.bandwidth.append(
+        {
+            "round": r,
+            "bytes": config.bandwidth_mib << 20,
+            "trial_s": seconds,
+            "gb_s": bps / 1e9,
+            "limit_steps_s": bps / setup.nbytes,
+        }
+    )
     progress.advance(task)
 
-    if config.warmup:
-        progress.update(task, description=f"{dtype}: warm-up")
-        for side in (engine, reference):
-            side.decode_b1(b1_ids[0], min(n, _WARMUP_B1_TOKENS))
-            side.generate_batch(batch_ids, min(n, _WARMUP_BATCH_TOKENS))
-    progress.advance(task)
 
-    b1: list[dict[str, Any]] = []
-    batched: list[dict[str, Any]] = []
-    kernel: list[dict[str, Any]] = []
-    bandwidth: list[dict[str, Any]] = []
-    for r in range(config.rounds):
-        for i, (prompt, ids) in enumerate(zip(b1_prompts, b1_ids, strict=True)):
-            progress.update(task, description=f"{dtype} round {r + 1}: batch 1, engine")
-            engine_tpot, engine_tokens = engine.decode_b1(ids, n)
-            progress.advance(task)
-            progress.update(task, description=f"{dtype} round {r + 1}: batch 1, transformers")
-            hf_tpot, hf_tokens = reference.decode_b1(ids, n)
-            progress.advance(task)
-            b1.append(
-                {
-                    "round": r,
-                    "prompt": i,
-                    "question_id": prompt.question_id,
-                    "n_prompt": len(ids),
-                    "engine_tpot_s": engine_tpot,
-                    "engine_tok_s": 1 / engine_tpot,
-                    "hf_tpot_s": hf_tpot,
-                    "hf_tok_s": 1 / hf_tpot,
-                    "agree_tokens": _common_prefix(engine_tokens, hf_tokens),
-                }
-            )
-        progress.update(task, description=f"{dtype} round {r + 1}: batch {config.batch}, engine")
-        engine_wall = engine.generate_batch(batch_ids, n)
-        progress.advance(task)
-        progress.update(
-            task, description=f"{dtype} round {r + 1}: batch {config.batch}, transformers"
-        )
-        hf_wall = reference.generate_batch(batch_ids, n)
-        progress.advance(task)
-        out_tokens = config.batch * n
-        batched.append(
-            {
-                "round": r,
-                "output_tokens": out_tokens,
-                "engine_wall_s": engine_wall,
-                "engine_tok_s": out_tokens / engine_wall,
-                "hf_wall_s": hf_wall,
-                "hf_tok_s": out_tokens / hf_wall,
-            }
-        )
-        progress.update(task, description=f"{dtype} round {r + 1}: kernel floor")
-        kernel.append(
-            {
-                "round": r,
-                "steps": config.kernel_steps,
-                "separate_steps_s": kernel_steps_per_s(separate, config.kernel_steps, *on),
-                "fused_steps_s": kernel_steps_per_s(fused, config.kernel_steps, *on),
-            }
-        )
-        progress.advance(task, 2)
-        progress.update(task, description=f"{dtype} round {r + 1}: read bandwidth")
-        bps, seconds = read_bandwidth(config.bandwidth_mib << 20)
-        bandwidth.append(
-            {
-                "round": r,
-                "bytes": config.bandwidth_mib << 20,
-                "trial_s": seconds,
-                "gb_s": bps / 1e9,
-                "limit_steps_s": bps / nbytes,
-            }
-        )
-        progress.advance(task)
-
-    del engine, reference, separate, fused
-    gc.collect()
-    result = {**_summarize(b1, batched, kernel, bandwidth, nbytes), "routes": described}
-    prompts = {
-        "batch1": [_prompt_record(p, ids) for p, ids in zip(b1_prompts, b1_ids, strict=True)],
-        "batch": [_prompt_record(p, ids) for p, ids in zip(batch_prompts, batch_ids, strict=True)],
-    }
-    return result, prompts
-
-
-def _summarize(
-    b1: list[dict[str, Any]],
-    batched: list[dict[str, Any]],
-    kernel: list[dict[str, Any]],
-    bandwidth: list[dict[str, Any]],
-    nbytes: int,
+def _b1_sample(
+    config: BenchConfig,
+    setup: DtypeSetup,
+    r: int,
+    i: int,
+    prompt: BenchPrompt,
+    ids: list[int],
+    label: str,
+    progress: Progress,
+    task: Any,
 ) -> dict[str, Any]:
+    """Prompt `i` at batch 1 on the engine, then on transformers: TPOT and agreeing tokens."""
+    n = config.new_tokens
+    progress.update(task, description=f"{label}: batch 1, engine")
+    engine_tpot, engine_tokens = setup.engine.decode_b1(ids, n)
+    progress.advance(task)
+    progress.update(task, description=f"{label}: batch 1, transformers")
+    hf_tpot, hf_tokens = setup.reference.decode_b1(ids, n)
+    progress.advance(task)
+    return {
+        "round": r,
+        "prompt": i,
+        "question_id": prompt.question_id,
+        "n_prompt": len(ids),
+        "engine_tpot_s": engine_tpot,
+        "engine_tok_s": 1 / engine_tpot,
+        "hf_tpot_s": hf_tpot,
+        "hf_tok_s": 1 / hf_tpot,
+        "agree_tokens": _common_prefix(engine_tokens, hf_tokens),
+    }
+
+
+def _batch_sample(
+    config: BenchConfig, setup: DtypeSetup, r: int, label: str, progress: Progress, task: Any
+) -> dict[str, Any]:
+    """The whole batch in one `generate` on the engine, then on transformers: output tok/s."""
+    n = config.new_tokens
+    progress.update(task, description=f"{label}: batch {config.batch}, engine")
+    engine_wall = setup.engine.generate_batch(setup.batch_ids, n)
+    progress.advance(task)
+    progress.update(task, description=f"{label}: batch {config.batch}, transformers")
+    hf_wall = setup.reference.generate_batch(setup.batch_ids, n)
+    progress.advance(task)
+    out_tokens = config.batch * n
+    return {
+        "round": r,
+        "output_tokens": out_tokens,
+        "engine_wall_s": engine_wall,
+        "engine_tok_s": out_tokens / engine_wall,
+        "hf_wall_s": hf_wall,
+        "hf_tok_s": out_tokens / hf_wall,
+    }
+
+
+def _summarize(samples: Samples, nbytes: int) -> dict[str, Any]:
+    b1, batched, kernel, bandwidth = samples.b1, samples.batch, samples.kernel, samples.bandwidth
     summary = {
         "engine_b1_tok_s": stats([s["engine_tok_s"] for s in b1]),
         "hf_b1_tok_s": stats([s["hf_tok_s"] for s in b1]),
@@ -633,17 +607,6 @@ def _summarize(
             "hf_b1_of_kernel_floor": med["hf_b1_tok_s"] / med["kernel_floor_steps_s"],
         },
         "samples": {"b1": b1, "batch": batched, "kernel": kernel, "bandwidth": bandwidth},
-    }
-
-
-def stats(values: Sequence[float]) -> dict[str, float]:
-    """n, median (`statistics.median`), min, max and mean of the samples."""
-    return {
-        "n": len(values),
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "mean": statistics.fmean(values),
     }
 
 
@@ -677,11 +640,6 @@ def check_targets(config: BenchConfig, results: dict[str, Any]) -> list[dict[str
     return targets
 
 
-def target_result(name: str, value: float, at_least: float) -> dict[str, Any]:
-    """One target check as the reports hold it: name, measured value, threshold, pass."""
-    return {"name": name, "value": value, "at_least": at_least, "pass": value >= at_least}
-
-
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
@@ -691,106 +649,13 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _prompt_record(prompt: BenchPrompt, ids: list[int]) -> dict[str, Any]:
-    return {**asdict(prompt), "n_tokens": len(ids)}
-
-
-# --- machine ------------------------------------------------------------------------------
-
-
-def machine_info() -> dict[str, Any]:
-    """The machine a figure was measured on: CPU model and ISA flags, the native kernels' level
-    (the CPU's, or as TANDEM_NATIVE_ISA capped it), software versions, threads, commit."""
-    import transformers
-
-    from tandem.engine import native, routes
-
-    commit, dirty = _git_state()
-    lib = native.library()
-    return {
-        "cpu": _cpu_model(),
-        "isa_flags": routes.machine_identity()["isa_flags"],
-        "native_level": native.level_in_use() if lib is not None else None,
-        "cpu_level": lib.cpu_level if lib is not None else None,
-        "cores": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "git_commit": commit,
-        "git_dirty": dirty,
-    }
-
-
-def machine_line(machine: dict[str, Any]) -> str:
-    """One line naming what a run measured on: CPU, its ISA flags, the kernels' level, threads."""
-    return (
-        f"CPU: {machine['cpu']} ({machine['isa_flags'] or 'no AVX2'}); native kernels: "
-        f"{machine['native_level']} (the CPU runs {machine['cpu_level']}); torch "
-        f"{machine['torch']}, {machine['torch_threads']} threads"
-    )
-
-
-def routes_table(title: str, described: dict[str, str]) -> Table:
-    """The kernel routes of a model's products (`routes.describe`), one shape class a row."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("layer (kind out x in)", no_wrap=True)
-    table.add_column("route by rows")
-    for key, text in described.items():
-        table.add_row(key, text)
-    return table
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _git_state() -> tuple[str | None, bool | None]:
-    def git(*args: str) -> str | None:
-        try:
-            proc = subprocess.run(
-                ["git", "-C", str(PROJECT_ROOT), *args],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return proc.stdout.strip() if proc.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return commit, (None if status is None else bool(status))
+def _prompt_records(
+    prompts: Sequence[BenchPrompt], ids: Sequence[list[int]]
+) -> list[dict[str, Any]]:
+    return [{**asdict(p), "n_tokens": len(i)} for p, i in zip(prompts, ids, strict=True)]
 
 
 # --- output -------------------------------------------------------------------------------
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """transformers' warnings silenced for the duration."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-def fmt_stats(s: dict[str, float]) -> str:
-    """median (min-max); whole numbers from 100 up, to keep the tables within 80 columns."""
-    d = 0 if s["median"] >= 100 else 1
-    return f"{s['median']:.{d}f} [dim]({s['min']:.{d}f}-{s['max']:.{d}f})[/dim]"
 
 
 def _dtype_table(config: BenchConfig, dtype: str, res: dict[str, Any]) -> Table:
@@ -833,26 +698,10 @@ def _dtype_table(config: BenchConfig, dtype: str, res: dict[str, Any]) -> Table:
     return table
 
 
-def targets_table(targets: list[dict[str, Any]]) -> Table:
-    table = Table(title="targets (BENCHMARKS.md)", title_justify="left", box=box.SIMPLE_HEAD)
-    table.add_column("target")
-    table.add_column("measured", justify="right")
-    table.add_column("at least", justify="right")
-    table.add_column("")
-    for t in targets:
-        verdict = "[green]PASS[/green]" if t["pass"] else "[red]MISS[/red]"
-        table.add_row(t["name"], f"{t['value']:.2f}", f"{t['at_least']:.2f}", verdict)
-    return table
-
-
 def write_chart(report: dict[str, Any], path: Path) -> None:
     """Bars: engine vs transformers tok/s at batch 1 and batch N per dtype (median, min-max);
     lines over the batch-1 bars: kernel floors and the bandwidth limit."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     config, results = report["config"], report["results"]
     dtypes = list(results)
     fig, (ax_b1, ax_batch) = plt.subplots(1, 2, figsize=(11, 4.8))
@@ -867,16 +716,9 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
         s = results[dtype]["summary"]
         for ax, key in ((ax_b1, "b1"), (ax_batch, "batch")):
             for j, (side, label, color) in enumerate(sides):
-                st = s[f"{side}_{key}_tok_s"]
-                ax.bar(
-                    i + (j - 0.5) * width,
-                    st["median"],
-                    width,
-                    yerr=[[st["median"] - st["min"]], [st["max"] - st["median"]]],
-                    capsize=3,
-                    color=color,
-                    label=label if i == 0 else None,
-                )
+                st, x = s[f"{side}_{key}_tok_s"], i + (j - 0.5) * width
+                shown = label if i == 0 else None
+                median_bar(ax, x, st, width, capsize=3, color=color, label=shown)
         for key, label, style in limits:
             ax_b1.hlines(
                 s[key]["median"],
@@ -897,11 +739,4 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
         ax.set_ylabel("tokens/s")
         ax.legend(fontsize=8, loc="upper left")
         ax.margins(y=0.15)
-    fig.suptitle(
-        f"{config['model']}: {config['new_tokens']} new tokens, greedy, {config['threads']} "
-        f"threads; median, bars min-max over {config['rounds']} rounds",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_chart(fig, rounds_title(config), path)

@@ -10,7 +10,9 @@ import typer
 from rich.console import Console
 
 from tandem.bench.cli_common import names, run_bench_command
+from tandem.bench.spec_config import SpecBenchConfig
 from tandem.config import DEFAULT_MODEL
+from tandem.data import SPECBENCH_CATEGORIES
 
 # The tables need ~130 columns; without a terminal (a log file) rich would cut them at 80.
 console = Console() if sys.stdout.isatty() else Console(width=160)
@@ -57,8 +59,7 @@ def bench_spec(
 ) -> None:
     """Output tok/s with and without speculative decoding per proposer, category and batch size,
     with acceptance, against transformers prompt lookup and assisted generation."""
-    from tandem.bench.spec import SpecBenchConfig, run_spec_bench
-    from tandem.bench.workloads import SPECBENCH_CATEGORIES
+    from tandem.bench.spec import run_spec_bench
 
     run_bench_command(
         lambda: SpecBenchConfig(
