@@ -47,7 +47,7 @@ from tandem.engine.spec.eagle import (
 )
 from tandem.engine.spec.heads import base_model_fields, hf_config
 from tandem.engine.spec.medusa import MedusaHeads, load_medusa, save_medusa
-from tandem.engine.spec.train import TrainConfig, train
+from tandem.training.distill import TrainConfig, train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")

@@ -1,5 +1,5 @@
-"""The `tandem bench quant` command (registered by tandem.cli); tandem.bench.quant is imported only
-when it runs, so `tandem --help` stays free of torch imports."""
+"""The `tandem bench quant` command (registered by tandem.cli.bench_cli); tandem.bench.quant is
+imported only when it runs, so `tandem --help` stays free of torch imports."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from tandem.bench.cli_common import names, run_bench_command
 from tandem.bench.quant_config import QuantBenchConfig
+from tandem.cli.bench_support import names, run_bench_command
 from tandem.config import DEFAULT_MODEL
 
 # The matrix needs ~140 columns; without a terminal (a log file) rich would cut it at 80.

@@ -1,4 +1,4 @@
-"""The `tandem bench experiment pd|spec` command (registered by tandem.cli).
+"""The `tandem bench experiment pd|spec` command (registered by tandem.cli.bench_cli).
 
 Kept apart from tandem.bench.experiment, which is imported only when the command runs: `tandem
 --help` stays free of httpx, grpc and torch imports.

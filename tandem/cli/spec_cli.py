@@ -1,4 +1,4 @@
-"""`tandem spec train`: its options; the recipe is in tandem/engine/spec/train.py."""
+"""`tandem spec train`: its options; the recipe is in tandem/training/distill.py."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def spec_train(
 ) -> None:
     """Self-distill draft heads (or a draft model) from the target and report the acceptance
     they reach on held-out prompts."""
-    from tandem.engine.spec.train import TrainConfig, train
+    from tandem.training.distill import TrainConfig, train
 
     try:
         config = TrainConfig(

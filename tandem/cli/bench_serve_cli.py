@@ -1,4 +1,4 @@
-"""The `tandem bench serve` and `tandem bench sla` commands (registered by tandem.cli).
+"""The `tandem bench serve` and `tandem bench sla` commands (registered by tandem.cli.bench_cli).
 
 Kept apart from tandem.bench.serve, which is imported only when a command runs: `tandem --help`
 stays free of httpx, grpc and torch imports (the config, workload and error modules it imports

@@ -1,5 +1,5 @@
-"""The `tandem bench spec` command (registered by tandem.cli); tandem.bench.spec is imported only
-when it runs, so `tandem --help` stays free of torch and transformers imports."""
+"""The `tandem bench spec` command (registered by tandem.cli.bench_cli); tandem.bench.spec is
+imported only when it runs, so `tandem --help` stays free of torch and transformers imports."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from tandem.bench.cli_common import names, run_bench_command
 from tandem.bench.spec_config import SpecBenchConfig
+from tandem.cli.bench_support import names, run_bench_command
 from tandem.config import DEFAULT_MODEL
 from tandem.data import SPECBENCH_CATEGORIES
 

@@ -1,0 +1,89 @@
+"""`tandem scale|status|drain`: the router's admin API (gRPC), for operators."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from tandem.cli.options import console
+
+RouterOpt = Annotated[str, typer.Option(help="The router's gRPC address.")]
+TokenOpt = Annotated[str | None, typer.Option(help="Admin token.")]
+
+
+def _admin(router: str, token: str | None) -> tuple[Any, list[tuple[str, str]]]:
+    import grpc
+
+    from tandem.v1 import admin_pb2_grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else []
+    return admin_pb2_grpc.AdminStub(grpc.insecure_channel(router)), metadata
+
+
+def _admin_call(fn: Any, request: Any, metadata: list[tuple[str, str]]) -> Any:
+    import grpc
+
+    try:
+        return fn(request, metadata=metadata, timeout=30)
+    except grpc.RpcError as e:
+        console.print(f"[red]{e.code().name}:[/red] {e.details()}")
+        raise typer.Exit(1) from None
+
+
+def scale(
+    prefill: Annotated[int | None, typer.Option(help="Prefill pool size.")] = None,
+    decode: Annotated[int | None, typer.Option(help="Decode pool size.")] = None,
+    router: RouterOpt = "127.0.0.1:50051",
+    token: TokenOpt = None,
+) -> None:
+    """Set the size of the prefill and/or decode pool (scale-down drains)."""
+    from tandem.v1 import admin_pb2
+
+    stub, metadata = _admin(router, token)
+    reply = _admin_call(
+        stub.Scale, admin_pb2.ScaleRequest(prefill=prefill, decode=decode), metadata
+    )
+    console.print(f"desired: {reply.prefill} prefill, {reply.decode} decode")
+
+
+def status(router: RouterOpt = "127.0.0.1:50051", token: TokenOpt = None) -> None:
+    """The workers of the cluster: role, endpoint, load, KV usage."""
+    from tandem.cluster.signals import worker_summary
+    from tandem.v1 import admin_pb2
+
+    stub, metadata = _admin(router, token)
+    reply = _admin_call(stub.ListWorkers, admin_pb2.ListWorkersRequest(), metadata)
+    table = Table(
+        "worker", "role", "endpoint", "running", "waiting", "KV used", "p50 TTFT", "p50 TPOT",
+        "accept", "state", "beat",
+    )  # fmt: skip
+    for w in sorted(reply.workers, key=lambda w: (w.role, w.worker_id)):
+        used = 1 - w.kv_blocks_free / w.kv_blocks_total if w.kv_blocks_total else 0.0
+        state = "draining" if w.draining else "serving"
+        s = worker_summary(w.metrics_url)
+        table.add_row(
+            w.worker_id, w.role, w.endpoint, str(w.running), str(w.waiting), f"{used:.0%}",
+            _ms(s.get("ttft_p50")), _ms(s.get("tpot_p50")),
+            f"{s['acceptance']:.0%}" if s.get("acceptance") is not None else "-",
+            state, f"{w.heartbeat_age_s:.1f}s ago",
+        )  # fmt: skip
+    console.print(table)
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds is not None else "-"
+
+
+def drain(
+    worker: Annotated[str, typer.Argument(help="Worker id (see `tandem status`).")],
+    router: RouterOpt = "127.0.0.1:50051",
+    token: TokenOpt = None,
+) -> None:
+    """Drain one worker: it finishes its requests and leaves; the pool replaces it."""
+    from tandem.v1 import admin_pb2
+
+    stub, metadata = _admin(router, token)
+    _admin_call(stub.Drain, admin_pb2.DrainRequest(worker_id=worker), metadata)
+    console.print(f"draining {worker}")

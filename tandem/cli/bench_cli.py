@@ -1,0 +1,134 @@
+"""`tandem bench ...`: every benchmark's command; each imports its benchmark when it runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from tandem.cli.bench_experiment_cli import bench_experiment
+from tandem.cli.bench_quant_cli import bench_quant
+from tandem.cli.bench_serve_cli import bench_serve, bench_sla
+from tandem.cli.bench_sim_cli import register_sim_commands
+from tandem.cli.bench_spec_cli import bench_spec
+from tandem.cli.bench_support import names, run_bench_command
+from tandem.cli.options import DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
+from tandem.config import DEFAULT_MODEL
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
+bench_app.command("serve")(bench_serve)
+bench_app.command("sla")(bench_sla)
+register_sim_commands(bench_app)  # calibrate, router, sim-cluster
+bench_app.command("experiment")(bench_experiment)
+bench_app.command("spec")(bench_spec)
+bench_app.command("quant")(bench_quant)
+
+
+@bench_app.command("engine")
+def bench_engine(
+    model: ModelOpt = DEFAULT_MODEL,
+    dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes.")] = "float32,bfloat16",
+    quantization: QuantOpt = None,
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
+    threads: int = 2,
+    new_tokens: int = 128,
+    batch: int = 16,
+    rounds: int = 3,
+    prompts_per_round: Annotated[
+        int, typer.Option(help="Batch-1 prompts per round (the same ones every round).")
+    ] = 3,
+    seed: Annotated[int, typer.Option(help="Seed of the prompt selection.")] = 0,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help="A one-minute pipeline check with tiny sizes (overrides the sizes)."
+        ),
+    ] = False,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
+    ] = None,
+) -> None:
+    """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
+    from tandem.bench.engine_bench import BenchConfig, run_engine_bench
+
+    run_bench_command(
+        lambda: BenchConfig(
+            model=model,
+            dtypes=names(dtypes),
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+            threads=threads,
+            new_tokens=new_tokens,
+            batch=batch,
+            rounds=rounds,
+            prompts_per_round=prompts_per_round,
+            seed=seed,
+        ),
+        quick,
+        run_engine_bench,
+        json_out,
+        console,
+    )
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    model: ModelOpt = DEFAULT_MODEL,
+    device: Annotated[
+        str, typer.Option(help="cpu | cuda | cuda:N (CUDA: the pair runs NCCL, shm is CUDA IPC).")
+    ] = "cpu",
+    dtype: DtypeOpt = "float32",
+    channels: Annotated[str, typer.Option(help="Comma-separated: pair, grpc, shm.")] = (
+        "pair,grpc,shm"
+    ),
+    tokens: Annotated[
+        str, typer.Option(help="Comma-separated prompt lengths of the throughput part.")
+    ] = "512,2048,8192",
+    reps: int = 5,
+    exposed_channels: Annotated[
+        str, typer.Option(help="Channels of the exposed-time part (real workers).")
+    ] = "pair,grpc,shm",
+    exposed_tokens: Annotated[
+        str,
+        typer.Option(help="Comma-separated prompt lengths of the exposed-time part; '' skips it."),
+    ] = "2048",
+    exposed_reps: int = 3,
+    decode_tokens: Annotated[
+        int, typer.Option(help="Tokens decoded after admission; their TPOT is the decode step.")
+    ] = 16,
+    threads: int = 2,
+    seed: int = 0,
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help="A pipeline check: 512 tokens, one round (overrides the sizes)."
+        ),
+    ] = False,
+    json_out: Annotated[
+        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
+    ] = None,
+) -> None:
+    """KV transfer: each channel's GB/s against raw TCP / memcpy, and the exposed transfer time
+    with and without layer-wise streaming."""
+    from tandem.bench.transfer import BenchConfig, run_transfer_bench
+
+    run_bench_command(
+        lambda: BenchConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            channels=names(channels),
+            prompt_tokens=tuple(int(n) for n in names(tokens)),
+            reps=reps,
+            exposed_channels=names(exposed_channels),
+            exposed_tokens=tuple(int(n) for n in names(exposed_tokens)),
+            exposed_reps=exposed_reps,
+            decode_tokens=decode_tokens,
+            threads=threads,
+            seed=seed,
+        ),
+        quick,
+        run_transfer_bench,
+        json_out,
+        console,
+    )

@@ -1,0 +1,321 @@
+"""`tandem serve|router|worker`: a whole cluster, a router alone, or one worker."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from tandem.cli.options import (
+    DeviceOpt,
+    DraftModelOpt,
+    DtypeOpt,
+    GroupSizeOpt,
+    KernelRoutesOpt,
+    KVCacheDtypeOpt,
+    ModelOpt,
+    QuantOpt,
+    SpecCostOpt,
+    SpecOpt,
+    console,
+    speculative_option,
+)
+from tandem.config import DEFAULT_MODEL
+
+
+def serve(
+    model: ModelOpt = DEFAULT_MODEL,
+    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 1,
+    decode: Annotated[int, typer.Option(help="Decode workers.")] = 1,
+    ray: Annotated[bool, typer.Option("--ray/--no-ray", help="Pools on Ray.")] = True,
+    address: Annotated[str | None, typer.Option(help="Join this Ray cluster.")] = None,
+    redis: Annotated[str | None, typer.Option(help="redis:// URL; default: embedded.")] = None,
+    host: str = "127.0.0.1",
+    http_port: int = 8000,
+    grpc_port: int = 50051,
+    spec: SpecOpt = None,
+    draft_model: DraftModelOpt = None,
+    spec_cost_aware: SpecCostOpt = True,
+    dtype: DtypeOpt = "float32",
+    autoscale: Annotated[bool, typer.Option(help="SLO autoscaler (Ray only).")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
+    admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
+    demo: Annotated[bool, typer.Option(help="Answer one request, then keep serving.")] = True,
+    gpus_per_worker: Annotated[int, typer.Option(help="GPU bundles per worker (0: CPU).")] = 0,
+    cpus_per_worker: Annotated[float, typer.Option(help="CPUs reserved per worker.")] = 1.0,
+    pin_pools: Annotated[
+        bool, typer.Option(help="Place pools on nodes with tandem_prefill/tandem_decode.")
+    ] = False,
+    kv_memory_gib: Annotated[float, typer.Option(help="KV cache per worker, GiB.")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
+    quantization: QuantOpt = None,
+    quant_group_size: GroupSizeOpt = 32,
+    kernel_routes: KernelRoutesOpt = "auto",
+    max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
+    num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
+    engine: Annotated[str, typer.Option(help="--no-ray: real | sim workers.")] = "real",
+    sim_profile: Annotated[str | None, typer.Option(help="sim: profile JSON.")] = None,
+) -> None:
+    """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
+    from tandem.cluster.local_cluster import LocalCluster
+
+    engine_options = {
+        "dtype": dtype, "memory_gib": kv_memory_gib, "block_size": block_size,
+        "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
+        "quant_group_size": quant_group_size, "kernel_routes": kernel_routes,
+        "max_num_seqs": max_num_seqs, "num_threads": num_threads,
+    }  # fmt: skip
+    listen = (redis, host, http_port, grpc_port)
+    cluster: Any
+    if ray:
+        speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
+        cluster = _ray_cluster(
+            model, prefill, decode, address, listen, engine_options, speculative,
+            _ray_pools(cpus_per_worker, gpus_per_worker, pin_pools), autoscale, dry_run,
+            admin_token,
+        )  # fmt: skip
+    else:
+        spec_flags = ["--spec", spec] if spec else []
+        spec_flags += ["--draft-model", draft_model] if draft_model else []
+        spec_flags += [] if spec_cost_aware else ["--no-spec-cost-aware"]
+        spec_flags += ["--engine", engine] + (["--sim-profile", sim_profile] if sim_profile else [])
+        worker_args = _worker_flags(engine_options) + spec_flags
+        cluster = LocalCluster(
+            model, prefill, decode, *listen, worker_args=worker_args, admin_token=admin_token
+        )
+    where = "Ray" if ray else "local processes"
+    console.print(f"starting {prefill} prefill + {decode} decode workers of {model} on {where}")
+    _serve_until_interrupted(cluster, model, demo)
+
+
+def _ray_pools(cpus: float, gpus: int, pinned: bool) -> dict[str, Any]:
+    """Each pool's resources per worker: CPUs, GPU bundles, and its node label when pinned."""
+    from tandem.cluster.pools import PoolSpec
+
+    return {
+        role: PoolSpec(cpus, gpus, resources={f"tandem_{role}": 1.0} if pinned else {})
+        for role in ("prefill", "decode")
+    }
+
+
+def _ray_cluster(
+    model: str,
+    prefill: int,
+    decode: int,
+    address: str | None,
+    listen: tuple[str | None, str, int, int],
+    engine_options: dict[str, Any],
+    speculative: dict[str, Any] | None,
+    pools: dict[str, Any],
+    autoscale: bool,
+    dry_run: bool,
+    admin_token: str | None,
+) -> Any:
+    """The pools as Ray actors; the decode pool speculates as `--spec` says."""
+    from tandem.cluster.autoscaler import AutoscalerConfig
+    from tandem.cluster.ray_cluster import RayCluster
+
+    device = "cuda" if pools["prefill"].gpus_per_worker else "cpu"
+    return RayCluster(
+        model, prefill, decode, address, *listen,
+        engine={**engine_options, "device": device},
+        decode_engine={"speculative": speculative} if speculative else {},
+        prefill_pool=pools["prefill"], decode_pool=pools["decode"],
+        autoscale=AutoscalerConfig() if autoscale else None, dry_run=dry_run,
+        admin_token=admin_token,
+    )  # fmt: skip
+
+
+# `tandem worker` flags of the engine options that local worker processes take
+_WORKER_FLAGS = {
+    "dtype": "--dtype",
+    "memory_gib": "--kv-memory-gib",
+    "block_size": "--block-size",
+    "kv_cache_dtype": "--kv-cache-dtype",
+    "quantization": "--quantization",
+    "quant_group_size": "--quant-group-size",
+    "kernel_routes": "--kernel-routes",
+    "max_num_seqs": "--max-num-seqs",
+    "num_threads": "--num-threads",
+}
+
+
+def _worker_flags(engine_options: dict[str, Any]) -> list[str]:
+    """The engine options as `tandem worker` flags (unset ones left to the worker's default)."""
+    return [
+        part
+        for name, flag in _WORKER_FLAGS.items()
+        if engine_options[name] is not None
+        for part in (flag, str(engine_options[name]))
+    ]
+
+
+def _serve_until_interrupted(cluster: Any, model: str, demo: bool) -> None:
+    """Start the cluster, print how to reach it, answer the demo request, serve until Ctrl-C;
+    stop it however that ends."""
+    address = cluster.start()
+    try:
+        console.print(f"[green]ready[/green]  HTTP {address.http_url}  gRPC {address.grpc_target}")
+        console.print(
+            f"  curl {address.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}'"""
+        )
+        console.print(
+            f'  grpcurl -plaintext -d \'{{"prompt": "Hi"}}\' {address.grpc_target} '
+            "tandem.v1.Tandem/Generate"
+        )
+        console.print(f"  tandem status --router {address.grpc_target}")
+        if demo:
+            _demo_request(address.http_url, model)
+        console.print("[dim]serving; Ctrl-C stops[/dim]")
+        assert cluster.router_server is not None
+        cluster.router_server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+
+
+def router_cmd(
+    model: ModelOpt = DEFAULT_MODEL,
+    redis: Annotated[
+        str, typer.Option(help="Registry URL (redis://...).")
+    ] = "redis://127.0.0.1:6379",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "0.0.0.0",
+    http_port: int = 8000,
+    grpc_port: int = 50051,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster (e.g. ray://head:10001) for Scale/Drain.")
+    ] = None,
+    admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
+    prefill_policy: str = "prefix_aware",
+    decode_policy: str = "least_loaded",
+    local_prefill_tokens: int = 32,
+) -> None:
+    """Run only the router (its own process or Kubernetes Deployment); workers come from the
+    registry."""
+    from router.router_server import RouterServer
+    from tandem.config import RouterConfig
+
+    controller = None
+    if ray_address:
+        import ray
+
+        from tandem.cluster.pools import get_controller
+
+        ray.init(ray_address)
+        controller = get_controller()
+    config = RouterConfig(
+        model,
+        prefill_policy=prefill_policy,
+        decode_policy=decode_policy,
+        local_prefill_tokens=local_prefill_tokens,
+    )
+    server = RouterServer(
+        config, redis, host, http_port, grpc_port, admin_token, controller=controller
+    )
+    address = server.start()
+    console.print(f"router: HTTP {address.http_url}  gRPC {address.grpc_target}")
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        server.stop()
+
+
+def _demo_request(http_url: str, model: str) -> None:
+    import json
+    import urllib.request
+
+    prompt = "In one sentence, what does a language model do?"
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64}
+    request = urllib.request.Request(
+        f"{http_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        reply = json.load(response)
+    console.print(f"[bold]user:[/bold] {prompt}")
+    console.print(f"[bold]assistant:[/bold] {reply['choices'][0]['message']['content']}")
+
+
+def worker(
+    role: Annotated[str, typer.Argument(help="prefill | decode")],
+    model: ModelOpt = DEFAULT_MODEL,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    redis: Annotated[str | None, typer.Option(help="Registry URL.")] = None,
+    metrics_port: int = 0,
+    ttl: Annotated[float, typer.Option(help="Registry heartbeat TTL, seconds.")] = 3.0,
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    kv_memory_gib: Annotated[float, typer.Option(help="KV cache memory, GiB.")] = 1.0,
+    block_size: Annotated[int, typer.Option(help="KV block size, tokens.")] = 16,
+    kv_cache_dtype: KVCacheDtypeOpt = "auto",
+    num_threads: Annotated[int | None, typer.Option(help="torch threads on CPU.")] = None,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of a step.")] = 2048,
+    max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
+    chunked_prefill: Annotated[bool, typer.Option(help="Split long prompts over steps.")] = True,
+    spec: SpecOpt = None,
+    draft_model: DraftModelOpt = None,
+    spec_cost_aware: SpecCostOpt = True,
+    quantization: QuantOpt = None,
+    quant_group_size: GroupSizeOpt = 32,
+    kernel_routes: KernelRoutesOpt = "auto",
+    on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
+    channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
+    stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
+    engine: Annotated[str, typer.Option(help="real | sim (modelled step times).")] = "real",
+    sim_profile: Annotated[
+        str | None, typer.Option(help="sim: profile JSON (tandem bench calibrate).")
+    ] = None,
+) -> None:
+    """One worker: `prefill` computes prompts and pushes their KV to decode workers; `decode`
+    receives it and generates, with speculative decoding. SIGTERM drains it."""
+    from tandem.cluster.workers import build_worker
+    from tandem.config import TransferConfig, WorkerConfig
+    from tandem.worker_server import drain_signal
+
+    if role not in ("prefill", "decode"):
+        raise typer.BadParameter("must be prefill or decode", param_hint="ROLE")
+    stop = drain_signal()  # before registering: a signal during startup still drains
+    config = worker_engine_config(
+        role, model, dtype, device, spec, draft_model, spec_cost_aware,
+        memory_gib=kv_memory_gib, block_size=block_size, kv_cache_dtype=kv_cache_dtype,
+        num_threads=num_threads, max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,
+        quantization=quantization, quant_group_size=quant_group_size,
+        kernel_routes=kernel_routes,
+    )  # fmt: skip
+    transfer = TransferConfig(
+        channel=channel, stream_layers=stream_layers, on_failure=on_transfer_failure
+    )
+    server = build_worker(
+        role,
+        WorkerConfig(config, transfer, host, port, redis, metrics_port, heartbeat_ttl_s=ttl),
+    )
+    console.print(f"{role} worker {server.worker_id} on {server.endpoint}")
+    server.serve_until(stop)
+
+
+def worker_engine_config(
+    role: str,
+    model: str,
+    dtype: str,
+    device: str,
+    spec: str | None,
+    draft_model: str | None = None,
+    spec_cost_aware: bool = True,
+    **flat: object,
+) -> Any:
+    """A worker's engine: a decode worker's speculates as `--spec` says; a prefill worker's
+    runs the proposer too when it hands state over (EAGLE), else none."""
+    from tandem.config import EngineConfig
+    from tandem.engine.spec.factory import prefill_speculative
+
+    speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
+    if role == "prefill":
+        speculative = prefill_speculative(speculative)
+    return EngineConfig.create(model, speculative, dtype=dtype, device=device, **flat)
