@@ -33,6 +33,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy tandem kv_transfer router prefill_worker decode_worker
+	$(VENV)/bin/lint-imports --no-cache  # the layers of docs/architecture.md (pyproject.toml)
 
 bench: install
 	$(VENV)/bin/tandem models pull smollm2-135m

@@ -3,9 +3,10 @@
 `transformers` builds a model's tokenizer (for a GGUF, from the file's metadata, which takes
 seconds) and saves it as `tokenizer.json` + `tokenizer_config.json` under
 `$TANDEM_HOME/tokenizers`, keyed by the checkpoint's name, size and mtime. That export runs once
-per checkpoint, in a child process (`python -m tandem.tokenizer CHECKPOINT DEST`), because
-importing `transformers` imports torch. Everything after it reads the export: `Tokenizer` here
-with the Rust `tokenizers` library and Jinja (the router), or `transformers` (the engine).
+per checkpoint, in a child process (`python -m tandem.engine.models.tokenizer_export CHECKPOINT
+DEST`), because importing `transformers` imports torch. Everything after it reads the export:
+`Tokenizer` here with the Rust `tokenizers` library and Jinja (the router), or `transformers`
+(the engine).
 
 `Tokenizer` renders chat templates the way `transformers` does (a sandboxed Jinja environment with
 `trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, `tojson` and `strftime_now`, the
@@ -15,12 +16,9 @@ default model.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -33,6 +31,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tandem.config import tandem_home
 from tandem.model_config import is_gguf
 
+# Run as a child process (it imports transformers, so torch): the router never imports it.
+EXPORTER = "tandem.engine.models.tokenizer_export"
 EXPORT_TIMEOUT_S = 600.0  # the child imports transformers and torch, then converts the vocabulary
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token")
 
@@ -47,30 +47,11 @@ def tokenizer_dir(path: str | Path) -> Path:
     cached = tandem_home() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if not cached.is_dir():
         subprocess.run(
-            [sys.executable, "-m", "tandem.tokenizer", str(path), str(cached)],
+            [sys.executable, "-m", EXPORTER, str(path), str(cached)],
             check=True,
             timeout=EXPORT_TIMEOUT_S,
         )
     return cached
-
-
-def export(checkpoint: Path, dest: Path) -> None:
-    """Save the checkpoint's tokenizer as transformers builds it; atomically, so that a process
-    racing this one finds either nothing or the whole export at `dest`."""
-    from transformers import AutoTokenizer  # only in the child process: it imports torch
-
-    if is_gguf(checkpoint):
-        built = AutoTokenizer.from_pretrained(str(checkpoint.parent), gguf_file=checkpoint.name)
-    else:
-        built = AutoTokenizer.from_pretrained(str(checkpoint))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".partial-"))
-    try:
-        built.save_pretrained(partial)
-        with contextlib.suppress(OSError):  # another process saved it first
-            partial.rename(dest)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # gone already after the rename
 
 
 class Tokenizer:
@@ -144,7 +125,3 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
-
-
-if __name__ == "__main__":
-    export(Path(sys.argv[1]), Path(sys.argv[2]))
