@@ -99,7 +99,7 @@ _WARMUP_BATCH_TOKENS = 4
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class EngineBenchConfig:
     model: str = DEFAULT_MODEL
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     quantization: str | None = None  # the engine's linear layers: int8 | int4
@@ -136,7 +136,7 @@ class BenchConfig:
             raise ValueError(f"bandwidth_mib must be >= 16, got {self.bandwidth_mib}")
         CacheConfig(kv_cache_dtype=self.kv_cache_dtype)  # raises ValueError naming the field
 
-    def quick(self) -> BenchConfig:
+    def quick(self) -> EngineBenchConfig:
         """A check that the whole pipeline works (about a minute), not a measurement."""
         return replace(
             self,
@@ -192,7 +192,7 @@ class EngineSide:
 
     name = "engine"
 
-    def __init__(self, config: BenchConfig, dtype: str) -> None:
+    def __init__(self, config: EngineBenchConfig, dtype: str) -> None:
         self.llm = LLM(
             config.model,
             dtype=dtype,
@@ -351,7 +351,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def run_engine_bench(
-    config: BenchConfig,
+    config: EngineBenchConfig,
     json_out: str | Path | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
@@ -436,7 +436,7 @@ class Samples:
 
 
 def _bench_dtype(
-    config: BenchConfig, dtype: str, inputs: Inputs, progress: Progress, task: Any
+    config: EngineBenchConfig, dtype: str, inputs: Inputs, progress: Progress, task: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load both sides in `dtype`, warm them up, run every round; (result, prompt records)."""
     progress.update(task, description=f"{dtype}: loading engine and transformers")
@@ -460,7 +460,7 @@ def _bench_dtype(
     return {**_summarize(samples, nbytes), "routes": described}, prompts
 
 
-def _load_sides(config: BenchConfig, dtype: str, inputs: Inputs) -> DtypeSetup:
+def _load_sides(config: EngineBenchConfig, dtype: str, inputs: Inputs) -> DtypeSetup:
     engine = EngineSide(config, dtype)
     engine_model = cast(LlamaForCausalLM, engine.llm.engine.model)
     described = routes.describe(engine_model.routed_products())
@@ -478,7 +478,7 @@ def _load_sides(config: BenchConfig, dtype: str, inputs: Inputs) -> DtypeSetup:
     )
 
 
-def _warm_up(config: BenchConfig, setup: DtypeSetup) -> None:
+def _warm_up(config: EngineBenchConfig, setup: DtypeSetup) -> None:
     n = config.new_tokens
     for side in (setup.engine, setup.reference):
         side.decode_b1(setup.b1_ids[0], min(n, _WARMUP_B1_TOKENS))
@@ -486,7 +486,7 @@ def _warm_up(config: BenchConfig, setup: DtypeSetup) -> None:
 
 
 def _run_round(
-    config: BenchConfig,
+    config: EngineBenchConfig,
     setup: DtypeSetup,
     r: int,
     b1_prompts: list[BenchPrompt],
@@ -526,7 +526,7 @@ def _run_round(
 
 
 def _b1_sample(
-    config: BenchConfig,
+    config: EngineBenchConfig,
     setup: DtypeSetup,
     r: int,
     i: int,
@@ -558,7 +558,7 @@ def _b1_sample(
 
 
 def _batch_sample(
-    config: BenchConfig, setup: DtypeSetup, r: int, label: str, progress: Progress, task: Any
+    config: EngineBenchConfig, setup: DtypeSetup, r: int, label: str, progress: Progress, task: Any
 ) -> dict[str, Any]:
     """The whole batch in one `generate` on the engine, then on transformers: output tok/s."""
     n = config.new_tokens
@@ -610,7 +610,7 @@ def _summarize(samples: Samples, nbytes: int) -> dict[str, Any]:
     }
 
 
-def check_targets(config: BenchConfig, results: dict[str, Any]) -> list[dict[str, Any]]:
+def check_targets(config: EngineBenchConfig, results: dict[str, Any]) -> list[dict[str, Any]]:
     """The BENCHMARKS.md targets that this run's dtypes cover, each with its measured value."""
     targets = []
     for dtype, res in results.items():
@@ -658,7 +658,7 @@ def _prompt_records(
 # --- output -------------------------------------------------------------------------------
 
 
-def _dtype_table(config: BenchConfig, dtype: str, res: dict[str, Any]) -> Table:
+def _dtype_table(config: EngineBenchConfig, dtype: str, res: dict[str, Any]) -> Table:
     s, ratios, frac = res["summary"], res["ratios"], res["fractions"]
     label = dtype if config.quantization is None else f"{dtype}, {config.quantization} weights"
     table = Table(

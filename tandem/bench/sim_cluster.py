@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.cluster.local_cluster import stop_processes
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, WorkerConfig, child_environment
 from tandem.registry import Registry
@@ -155,16 +156,7 @@ class SimCluster:
 
     def stop(self, grace_s: float = 20.0) -> None:
         procs = [p for p in (self.router, *self.hosts) if p is not None]
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, grace_s)
         if self.registry is not None:
             self.registry.close()
 

@@ -74,8 +74,8 @@ from tandem.bench.transfer_config import (
     CALL_TIMEOUT_S,
     CHANNELS,
     STARTUP_TIMEOUT_S,
-    BenchConfig,
     Devices,
+    TransferBenchConfig,
     plan_devices,
     reference_of,
 )
@@ -92,7 +92,7 @@ _WARMUP_PROMPT_TOKENS = 64
 
 
 def run_transfer_bench(
-    config: BenchConfig,
+    config: TransferBenchConfig,
     json_out: str | Path | None = None,
     console: Console | None = None,
 ) -> dict[str, Any]:
@@ -156,7 +156,7 @@ def _device_info(devices: Devices) -> dict[str, Any]:
 
 def _bench_channels(
     ctx: SpawnContext,
-    config: BenchConfig,
+    config: TransferBenchConfig,
     devices: Devices,
     layout: KVLayout,
     references: list[str],
@@ -240,7 +240,7 @@ def _transfer(rx: Child, tx: Child, channel: str, n: int, key: str) -> dict[str,
 
 def _bench_exposed(
     ctx: SpawnContext,
-    config: BenchConfig,
+    config: TransferBenchConfig,
     devices: Devices,
     vocab_size: int,
     progress: Progress,

@@ -19,7 +19,7 @@ from kv_transfer.layout import as_bytes, gather_tokens, slot_mapping
 from kv_transfer.pairs import backend_for
 from kv_transfer.shm import create_shared_cache
 from kv_transfer.ticket import KVLayout, KVTicket
-from tandem.bench.transfer_config import TRANSFER_TIMEOUT_S, BenchConfig
+from tandem.bench.transfer_config import TRANSFER_TIMEOUT_S, TransferBenchConfig
 
 _FINGERPRINT = "bench-transfer"  # the throughput part has no model; both sides agree on this
 
@@ -55,7 +55,7 @@ class ChannelReceiver:
     """Receiver process of the throughput part: a KVReceiver and the TCP reference's sink."""
 
     def __init__(
-        self, config: BenchConfig, device: str, layout: KVLayout, num_blocks: int, shm: bool
+        self, config: TransferBenchConfig, device: str, layout: KVLayout, num_blocks: int, shm: bool
     ) -> None:
         self.device = torch.device(device)
         self.layout = layout
@@ -153,7 +153,7 @@ class ChannelSender:
 
     def __init__(
         self,
-        config: BenchConfig,
+        config: TransferBenchConfig,
         device: str,
         layout: KVLayout,
         num_blocks: int,

@@ -13,7 +13,7 @@ import torch
 
 from tandem.bench.common import BenchError, passive_omp
 from tandem.bench.transfer_channels import ChannelReceiver, ChannelSender
-from tandem.bench.transfer_config import CALL_TIMEOUT_S, BenchConfig
+from tandem.bench.transfer_config import CALL_TIMEOUT_S, TransferBenchConfig
 from tandem.bench.transfer_workers import DecodeSide, PrefillSide
 
 _SIDES: dict[str, Any] = {
@@ -25,7 +25,7 @@ _SIDES: dict[str, Any] = {
 
 
 def _child_main(
-    conn: Connection, side: str, config: BenchConfig, device: str, args: tuple[Any, ...]
+    conn: Connection, side: str, config: TransferBenchConfig, device: str, args: tuple[Any, ...]
 ) -> None:
     """A child process: build one side, then run the methods the parent sends, one at a time."""
     torch.set_num_threads(config.threads)
@@ -61,7 +61,7 @@ class Child:
         ctx: SpawnContext,
         name: str,
         side: str,
-        config: BenchConfig,
+        config: TransferBenchConfig,
         device: str,
         *args: Any,
     ) -> None:

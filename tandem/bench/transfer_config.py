@@ -1,5 +1,6 @@
 """What `tandem bench transfer` measures: the channels, their physical references and
-BENCHMARKS.md's targets, the run's config (`BenchConfig`) and where each side runs (`Devices`)."""
+BENCHMARKS.md's targets, the run's config (`TransferBenchConfig`) and where each side runs
+(`Devices`)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ TRANSFER_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
-class BenchConfig:
+class TransferBenchConfig:
     model: str = DEFAULT_MODEL  # its KV layout sizes the throughput part; it runs the workers
     device: str = "cpu"  # cpu | cuda | cuda:N
     dtype: str = "float32"
@@ -67,7 +68,7 @@ class BenchConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def quick(self) -> BenchConfig:
+    def quick(self) -> TransferBenchConfig:
         """A check that the whole pipeline works (a minute on the default model), not a
         measurement."""
         return replace(
@@ -91,7 +92,7 @@ class Devices:
     skipped: dict[str, str]  # channel -> why it does not run
 
 
-def plan_devices(config: BenchConfig) -> Devices:
+def plan_devices(config: TransferBenchConfig) -> Devices:
     """The sender's and receiver's devices, and the channels that cannot run there (with why)."""
     skipped: dict[str, str] = {}
     if config.device == "cpu":

@@ -10,7 +10,7 @@ from rich import box
 from rich.table import Table
 
 from tandem.bench.report import median_bar, pyplot, save_chart
-from tandem.bench.transfer_config import REFERENCE_NAMES, BenchConfig
+from tandem.bench.transfer_config import REFERENCE_NAMES, TransferBenchConfig
 
 _HATCHES = {"tcp": "//", "memcpy": "..", "device_copy": "xx"}  # the references in the chart
 
@@ -45,7 +45,7 @@ def _table(title: str, columns: Sequence[str]) -> Table:
     return table
 
 
-def throughput_table(config: BenchConfig, report: dict[str, Any]) -> Table:
+def throughput_table(config: TransferBenchConfig, report: dict[str, Any]) -> Table:
     layout, res = report["layout"], report["throughput"]
     table = _table(
         f"KV transfer throughput ({config.device}): {layout['num_layers']} layers x "
@@ -75,7 +75,7 @@ def throughput_table(config: BenchConfig, report: dict[str, Any]) -> Table:
     return table
 
 
-def exposed_table(config: BenchConfig, report: dict[str, Any]) -> Table:
+def exposed_table(config: TransferBenchConfig, report: dict[str, Any]) -> Table:
     table = _table(
         f"exposed transfer time = decode admission - prefill's first token, real workers "
         f"({config.model}); median (min-max) of {config.exposed_reps}",

@@ -12,8 +12,8 @@ from tandem.bench.report import stats
 from tandem.bench.transfer_config import (
     REFERENCE_NAMES,
     TARGET_EXPOSED_OF_DECODE_STEP,
-    BenchConfig,
     Devices,
+    TransferBenchConfig,
     channel_label,
     reference_of,
     target_of,
@@ -21,7 +21,7 @@ from tandem.bench.transfer_config import (
 
 
 def summarize_throughput(
-    config: BenchConfig,
+    config: TransferBenchConfig,
     devices: Devices,
     samples: list[dict[str, Any]],
     pair_setup_s: float | None,
@@ -67,7 +67,7 @@ def summarize_throughput(
 
 
 def summarize_exposed(
-    config: BenchConfig, devices: Devices, samples: list[dict[str, Any]]
+    config: TransferBenchConfig, devices: Devices, samples: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """Per (channel, prompt length, streaming): exposed time, decode step, prefill; with
     streaming, the target exposed < one decode step."""

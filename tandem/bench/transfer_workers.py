@@ -14,7 +14,7 @@ from decode_worker.decode_core import DecodeWorker
 from kv_transfer.ticket import KVTicket
 from prefill_worker.prefill_core import PrefillWorker
 from tandem.bench.engine_probes import greedy_params
-from tandem.bench.transfer_config import CALL_TIMEOUT_S, TRANSFER_TIMEOUT_S, BenchConfig
+from tandem.bench.transfer_config import CALL_TIMEOUT_S, TRANSFER_TIMEOUT_S, TransferBenchConfig
 from tandem.config import EngineConfig, TransferConfig
 
 
@@ -45,7 +45,7 @@ class _StreamClock(threading.Thread):
 class DecodeSide:
     """Decode process of the exposed-time part: a DecodeWorker on the real model."""
 
-    def __init__(self, config: BenchConfig, device: str, num_blocks: int) -> None:
+    def __init__(self, config: TransferBenchConfig, device: str, num_blocks: int) -> None:
         self.worker = DecodeWorker(
             _engine_config(config, device, num_blocks),
             # a failure must not turn into a local prefill here
@@ -95,7 +95,7 @@ class PrefillSide:
     """Prefill process of the exposed-time part: per channel, PrefillWorkers with layer-wise
     streaming on and off."""
 
-    def __init__(self, config: BenchConfig, device: str, num_blocks: int) -> None:
+    def __init__(self, config: TransferBenchConfig, device: str, num_blocks: int) -> None:
         self.engine_config = _engine_config(config, device, num_blocks)
         self.workers: dict[bool, Any] = {}  # stream_layers -> PrefillWorker
         self.channel = ""
@@ -136,7 +136,7 @@ class PrefillSide:
         self.close_workers()
 
 
-def _engine_config(config: BenchConfig, device: str, num_blocks: int) -> EngineConfig:
+def _engine_config(config: TransferBenchConfig, device: str, num_blocks: int) -> EngineConfig:
     return EngineConfig.create(
         config.model,
         dtype=config.dtype,

@@ -49,10 +49,10 @@ def bench_engine(
     ] = None,
 ) -> None:
     """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
-    from tandem.bench.engine_bench import BenchConfig, run_engine_bench
+    from tandem.bench.engine_bench import EngineBenchConfig, run_engine_bench
 
     run_bench_command(
-        lambda: BenchConfig(
+        lambda: EngineBenchConfig(
             model=model,
             dtypes=names(dtypes),
             quantization=quantization,
@@ -110,10 +110,10 @@ def bench_transfer(
 ) -> None:
     """KV transfer: each channel's GB/s against raw TCP / memcpy, and the exposed transfer time
     with and without layer-wise streaming."""
-    from tandem.bench.transfer import BenchConfig, run_transfer_bench
+    from tandem.bench.transfer import TransferBenchConfig, run_transfer_bench
 
     run_bench_command(
-        lambda: BenchConfig(
+        lambda: TransferBenchConfig(
             model=model,
             device=device,
             dtype=dtype,

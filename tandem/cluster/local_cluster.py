@@ -106,16 +106,7 @@ class LocalCluster:
     def stop(self, grace_s: float = 15.0) -> None:
         if self.router_server is not None:
             self.router_server.stop()
-        for w in self.workers:
-            if w.process.poll() is None:
-                w.process.terminate()
-        deadline = time.monotonic() + grace_s
-        for w in self.workers:
-            try:
-                w.process.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                w.process.kill()
-                w.process.wait()
+        stop_processes([w.process for w in self.workers], grace_s)
         if self.registry is not None:
             self.registry.close()
 
@@ -125,3 +116,17 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM each (a worker drains and deregisters), SIGKILL what still runs after `grace_s`."""
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

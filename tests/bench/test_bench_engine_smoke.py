@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from tandem.bench.engine_bench import (
-    BenchConfig,
+    EngineBenchConfig,
     left_pad,
     load_prompts,
     run_engine_bench,
@@ -47,7 +47,7 @@ def test_bench_engine_smoke(smollm2_path: Path, tmp_path: Path) -> None:
     seed = next(
         s for s in range(1000) if all(len(p.text) < 150 for p in select_prompts(pool, 2, s))
     )
-    config = BenchConfig(
+    config = EngineBenchConfig(
         model=str(smollm2_path),
         dtypes=("float32",),
         new_tokens=8,

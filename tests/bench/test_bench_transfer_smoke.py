@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from tandem.bench.transfer import run_transfer_bench
 from tandem.bench.transfer_channels import block_order, kv_checksum
-from tandem.bench.transfer_config import BenchConfig, plan_devices, reference_of, target_of
+from tandem.bench.transfer_config import TransferBenchConfig, plan_devices, reference_of, target_of
 from tandem.cli import app
 
 
@@ -34,7 +34,7 @@ def test_checksum_sees_misplaced_tokens_and_layers() -> None:
 
 
 def test_plan_references_and_targets() -> None:
-    config = BenchConfig()
+    config = TransferBenchConfig()
     devices = plan_devices(config)
     assert (devices.sender, devices.receiver, devices.skipped) == ("cpu", "cpu", {})
     assert [reference_of(c, "cpu") for c in ("pair", "grpc", "shm")] == ["tcp", "tcp", "memcpy"]
@@ -46,7 +46,7 @@ def test_plan_references_and_targets() -> None:
     quick = config.quick()
     assert quick.prompt_tokens == (512,) and quick.reps == 1 and quick.exposed_tokens == (512,)
     with pytest.raises(ValueError, match="unknown"):
-        BenchConfig(channels=("rdma",))
+        TransferBenchConfig(channels=("rdma",))
 
 
 def test_cli_rejects_bad_options() -> None:
@@ -58,7 +58,7 @@ def test_cli_rejects_bad_options() -> None:
 @pytest.mark.timeout(120)
 def test_bench_transfer_smoke(tiny_llama_path: Path, tmp_path: Path) -> None:
     config = replace(
-        BenchConfig(model=str(tiny_llama_path)).quick(),
+        TransferBenchConfig(model=str(tiny_llama_path)).quick(),
         prompt_tokens=(40, 64),  # 40: a partly filled last block
         exposed_tokens=(48,),
         decode_tokens=2,
