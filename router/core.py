@@ -4,6 +4,8 @@ prepare      tokenize (chat template), validate -> Prepared      INVALID_ARGUMEN
 admit        a dispatch slot from a bounded queue                  RESOURCE_EXHAUSTED
 pick         a decode worker D, and a prefill worker P unless the prompt is short
              (conditional disaggregation: D prefills it)           UNAVAILABLE
+             Each pick is a lease (`inflight.py`): the request counts on the worker
+             from the pick until the `Route` ends
 Decode(D)    D reserves blocks and answers with the KV ticket
 Prefill(P)   in the background: P computes the prompt and pushes its KV to D. A P that fails
              is retried once on another P; then D prefills locally (`on_prefill_failure`)
@@ -15,13 +17,12 @@ end          usage and timings; a stop string, an Abort, a client that leaves, o
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,13 +30,13 @@ import grpc
 
 from router.admission import Admission
 from router.errors import ErrorKind, RouterError, invalid
+from router.inflight import Lease, pick
 from router.policies import PickContext, make_policy
+from router.relay import Delta, Relay
 from tandem import hub
 from tandem.config import RouterConfig
-from tandem.detokenizer import IncrementalDetokenizer
-from tandem.messages import logprobs_from_proto, sampling_to_proto
+from tandem.messages import sampling_to_proto
 from tandem.model_config import load_config
-from tandem.outputs import TokenLogprobs
 from tandem.registry import RegistrySnapshot, WorkerRecord
 from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.tokenizer import load_tokenizer
@@ -59,17 +60,36 @@ class Prepared:
 
 
 @dataclass
-class Delta:
-    """One message to the client; the last one has `finish_reason` and `timings`."""
+class Route:
+    """Where one request runs, from the picks to its end: the lease on D and D's open Decode
+    call, and the lease on P unless D prefills. Leaving its `with` block ends it: the call is
+    cancelled (a no-op once finished; otherwise D aborts and frees the blocks), the prefill task
+    too (its end releases P's lease), and D's lease is released."""
 
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    stop_reason: int | str | None = None
-    timings: dict[str, Any] | None = None
+    decode: Lease
+    call: Any  # D's Decode stream; reopened when D prefills after all
+    ticket: Any
+    prefill: Lease | None
+    go_local: asyncio.Event = field(default_factory=asyncio.Event)  # no P could push the KV
+    _prefill_task: asyncio.Task[None] | None = field(default=None, init=False)
+
+    def start_prefill(self, prefill: Coroutine[Any, Any, None]) -> None:
+        """Run the prefill in the background; P's lease ends with the task (also with one
+        cancelled before it ran)."""
+        assert self.prefill is not None
+        self._prefill_task = asyncio.create_task(prefill)
+        self._prefill_task.add_done_callback(self.prefill.release)
+
+    def __enter__(self) -> Route:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.call.cancel()
+        if self._prefill_task is not None:
+            self._prefill_task.cancel()  # a no-op when it has ended
+        elif self.prefill is not None:
+            self.prefill.release()
+        self.decode.release()
 
 
 class Router:
@@ -118,18 +138,31 @@ class Router:
                 f"model {model!r} is not served here; available: [{self.model_name!r}]",
                 field="model",
             )
+        tokens = self._prompt_tokens(prompt, prompt_token_ids, messages)
+        if timeout_s < 0:
+            raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
+        self._validate(tokens, params, "messages" if messages is not None else "prompt")
+        timeout = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        deadline = time.monotonic() + timeout
+        return Prepared(rid, tokens, params, priority, deadline, speculative=speculative)
+
+    def _prompt_tokens(
+        self,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        messages: Sequence[dict[str, Any]] | None,
+    ) -> list[int]:
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
             raise invalid("give exactly one of prompt, prompt token ids or messages", "prompt")
         if prompt is not None:
-            tokens = self.tokenizer.encode(prompt)
-        elif messages is not None:
-            tokens = self._chat_tokens(messages)
-        else:
-            tokens = list(prompt_token_ids or [])
-        if timeout_s < 0:
-            raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
-        prompt_field = "messages" if messages is not None else "prompt"
+            return self.tokenizer.encode(prompt)
+        if messages is not None:
+            return self._chat_tokens(messages)
+        return list(prompt_token_ids or [])
+
+    def _validate(self, tokens: list[int], params: SamplingParams, prompt_field: str) -> None:
         try:
             params.validate(self.vocab_size)
             validate_prompt_token_ids(
@@ -140,10 +173,6 @@ class Router:
             if message.startswith("prompt"):  # name the field the client actually sent
                 message = prompt_field + message.removeprefix("prompt")
             raise invalid(message) from None
-        timeout = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
-        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
-        deadline = time.monotonic() + timeout
-        return Prepared(rid, tokens, params, priority, deadline, speculative=speculative)
 
     def _chat_tokens(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         if not messages:
@@ -194,124 +223,49 @@ class Router:
         ]
 
     async def _dispatch(self, prep: Prepared, abort: asyncio.Event) -> AsyncIterator[Delta]:
+        """Pick the workers and open Decode, prefill in the background, relay D's tokens; the
+        route ends with the request however it ends."""
         dispatched = time.monotonic()
+        wreq = _worker_request(prep)
+        with await self._open_route(prep, wreq) as route:
+            timings: dict[str, Any] = {
+                "queue_s": dispatched - prep.arrival,
+                "decode_worker": route.decode.worker.worker_id,
+                "prefill_worker": route.prefill.worker.worker_id if route.prefill else "",
+            }
+            if route.prefill is not None:
+                route.start_prefill(
+                    self._prefill(wreq, route.ticket, route.prefill, prep, timings, route.go_local)
+                )
+            relay = Relay(self.tokenizer, prep.prompt_token_ids, prep.params, prep.arrival, timings)
+            try:
+                while True:
+                    delta = await self._next_delta(route, wreq, prep, abort, relay)
+                    yield delta
+                    if delta.finish_reason is not None:
+                        return
+            except grpc.aio.AioRpcError as e:
+                raise self._worker_error(e, route.decode.worker) from None
+
+    # -- pick ---------------------------------------------------------------------------------
+
+    async def _open_route(self, prep: Prepared, wreq: wpb.WorkerRequest) -> Route:
+        """Pick P unless D prefills the prompt itself (a short prompt, or no prefill worker),
+        then open Decode on a picked D. P counts from its pick, before D is picked."""
         decodes = self._live("decode")
         if not decodes:
             raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
         ctx = PickContext(prep.prompt_token_ids, self.inflight)
         prefills = self._live("prefill")
         local = len(prep.prompt_token_ids) <= self.config.local_prefill_tokens or not prefills
-        p = None if local else self.prefill_policy.pick(prefills, ctx)
-        if p is not None:  # counted from the pick, so that a burst of requests spreads
-            self.inflight[p.worker_id] += 1
-        wreq = wpb.WorkerRequest(
-            request_id=prep.request_id,
-            prompt_token_ids=prep.prompt_token_ids,
-            sampling=sampling_to_proto(prep.params),
-            priority=prep.priority,
-        )
-        if prep.speculative is not None:
-            wreq.speculative = prep.speculative
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            prep.prompt_token_ids,
-            prep.params.stop_strings,
-            prep.params.skip_special_tokens,
-        )
+        prefill = None if local else pick(self.prefill_policy, prefills, ctx)
         try:
-            d, call, ticket = await self._open_decode(decodes, ctx, wreq, local, prep)
+            decode, call, ticket = await self._open_decode(decodes, ctx, wreq, local, prep)
         except BaseException:
-            if p is not None:
-                self.inflight[p.worker_id] -= 1
+            if prefill is not None:
+                prefill.release()
             raise
-        timings: dict[str, Any] = {
-            "queue_s": dispatched - prep.arrival,
-            "decode_worker": d.worker_id,
-            "prefill_worker": p.worker_id if p else "",
-        }
-        completion = 0
-        first_token_time: float | None = None
-        go_local = asyncio.Event()
-        prefill_task: asyncio.Task[None] | None = None
-        try:
-            if p is not None:
-                prefill_task = asyncio.create_task(
-                    self._prefill(wreq, ticket, p, prep, timings, go_local)
-                )
-                # The pick's count on P ends with the task (even one cancelled before it ran).
-                prefill_task.add_done_callback(functools.partial(self._release, p.worker_id))
-            while True:
-                msg = await _read_or(call, abort, go_local)
-                if msg == "abort":
-                    yield self._final(prep, [], "abort", completion, timings, first_token_time)
-                    return
-                if msg == "local":  # no prefill worker could push the KV: D computes it
-                    if self.config.on_prefill_failure == "fail":
-                        raise RouterError(ErrorKind.UNAVAILABLE, "no prefill worker could serve")
-                    call.cancel()
-                    self.local_prefills += 1
-                    timings["prefill_worker"] = ""
-                    call = self._decode_call(d, wreq, True, prep)
-                    await self._read_ticket(call, d)
-                    go_local = asyncio.Event()
-                    continue
-                if msg is grpc.aio.EOF:
-                    raise RouterError(ErrorKind.UNAVAILABLE, "the decode worker ended the stream")
-                assert isinstance(msg, wpb.DecodeResponse)
-                chunk = msg.tokens
-                if chunk.transfer_s:
-                    timings["transfer_s"] = chunk.transfer_s
-                tokens = list(chunk.token_ids)
-                detok.add(tokens)
-                completion += len(tokens)
-                if first_token_time is None and tokens:
-                    first_token_time = time.monotonic()
-                reason = chunk.finish_reason or None
-                stop_reason: int | str | None = None
-                if detok.stop_string is not None:
-                    reason, stop_reason = "stop", detok.stop_string
-                elif reason == "stop" and tokens:
-                    stop_reason = tokens[-1]
-                text = detok.pop_text(reason is not None)
-                logprobs = [logprobs_from_proto(lp) for lp in chunk.logprobs]
-                if reason is None:
-                    yield Delta(tokens, text, logprobs)
-                    continue
-                timings["draft_tokens"] = chunk.draft_tokens
-                timings["accepted_tokens"] = chunk.accepted_tokens
-                delta = self._final(prep, tokens, reason, completion, timings, first_token_time)
-                delta.text, delta.logprobs, delta.stop_reason = text, logprobs, stop_reason
-                yield delta
-                return
-        except grpc.aio.AioRpcError as e:
-            raise self._worker_error(e, d) from None
-        finally:
-            call.cancel()  # no-op when finished; otherwise D aborts and frees the blocks
-            if prefill_task is not None and not prefill_task.done():
-                prefill_task.cancel()
-            elif prefill_task is None and p is not None:
-                self.inflight[p.worker_id] -= 1
-            self.inflight[d.worker_id] -= 1
-
-    def _final(
-        self,
-        prep: Prepared,
-        tokens: list[int],
-        reason: str,
-        completion: int,
-        timings: dict[str, Any],
-        first_token_time: float | None,
-    ) -> Delta:
-        now = time.monotonic()
-        ttft = (first_token_time or now) - prep.arrival
-        timings.update(
-            ttft_s=ttft,
-            e2e_s=now - prep.arrival,
-            tpot_s=(now - prep.arrival - ttft) / (completion - 1) if completion > 1 else 0.0,
-        )
-        return Delta(
-            tokens, "", [], reason, len(prep.prompt_token_ids), completion, timings=timings
-        )
+        return Route(decode, call, ticket, prefill)
 
     async def _open_decode(
         self,
@@ -320,18 +274,18 @@ class Router:
         wreq: wpb.WorkerRequest,
         local: bool,
         prep: Prepared,
-    ) -> tuple[WorkerRecord, Any, Any]:
+    ) -> tuple[Lease, Any, Any]:
         """Open Decode on a picked worker and read its ticket. A worker that is unreachable or
         draining (UNAVAILABLE before any token) is skipped once, for another one."""
         tried: set[str] = set()
         while True:
-            d = self.decode_policy.pick([w for w in decodes if w.worker_id not in tried], ctx)
-            self.inflight[d.worker_id] += 1  # from the pick, so that a burst of requests spreads
+            lease = pick(self.decode_policy, [w for w in decodes if w.worker_id not in tried], ctx)
+            d = lease.worker
             call = self._decode_call(d, wreq, local, prep)
             try:
-                return d, call, await self._read_ticket(call, d)
+                return lease, call, await self._read_ticket(call, d)
             except BaseException as e:
-                self.inflight[d.worker_id] -= 1
+                lease.release()
                 call.cancel()  # also when the client left while waiting: D frees the blocks
                 if not isinstance(e, grpc.aio.AioRpcError):
                     raise
@@ -345,8 +299,9 @@ class Router:
         self, d: WorkerRecord, wreq: wpb.WorkerRequest, local: bool, prep: Prepared
     ) -> Any:
         stub = wpb_grpc.DecodeWorkerStub(self._channel(d.endpoint))
-        timeout = max(prep.deadline - time.monotonic(), 0.001)
-        return stub.Decode(wpb.DecodeRequest(request=wreq, local_prefill=local), timeout=timeout)
+        return stub.Decode(
+            wpb.DecodeRequest(request=wreq, local_prefill=local), timeout=_time_left(prep)
+        )
 
     async def _read_ticket(self, call: Any, d: WorkerRecord) -> Any:
         first = await call.read()
@@ -354,55 +309,96 @@ class Router:
             raise RouterError(ErrorKind.UNAVAILABLE, f"decode worker {d.worker_id} sent no ticket")
         return first.ticket
 
+    # -- prefill ------------------------------------------------------------------------------
+
     async def _prefill(
         self,
         wreq: wpb.WorkerRequest,
         ticket: Any,
-        first: WorkerRecord,
+        first: Lease,
         prep: Prepared,
         timings: dict[str, Any],
         go_local: asyncio.Event,
     ) -> None:
-        """Run the prefill on `first`; on failure try one other prefill worker, then ask the
-        decode side to prefill locally (per `on_prefill_failure`)."""
-        policy = self.config.on_prefill_failure
-        tried = {first.worker_id}
-        p: WorkerRecord | None = first
-        while p is not None:
-            timings["prefill_worker"] = p.worker_id
-            retry = p is not first  # the first one is counted from the pick (_dispatch)
-            if retry:
-                self.inflight[p.worker_id] += 1
-            try:
-                stub = wpb_grpc.PrefillWorkerStub(self._channel(p.endpoint))
-                timeout = max(prep.deadline - time.monotonic(), 0.001)
-                reply = await stub.Prefill(
-                    wpb.PrefillRequest(request=wreq, ticket=ticket), timeout=timeout
-                )
-                timings["prefill_s"] = reply.prefill_s
-                timings["data_plane"] = reply.data_plane
-                return
-            except grpc.aio.AioRpcError as e:
-                log.warning("prefill of %s on %s failed: %s", wreq.request_id, p.worker_id, e)
-                if e.code() == grpc.StatusCode.UNAVAILABLE:
-                    self.snapshot.mark_down(p.worker_id, MARK_DOWN_S)
-                if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED):
-                    return  # D's reservation has ended (it prefills locally, or was aborted)
-            finally:
-                if retry:
-                    self.inflight[p.worker_id] -= 1
-            others = [w for w in self._live("prefill") if w.worker_id not in tried]
-            p = None
-            if policy == "retry" and others and len(tried) < 2:
-                p = self.prefill_policy.pick(
-                    others, PickContext(wreq.prompt_token_ids, self.inflight)
-                )
-                tried.add(p.worker_id)
-                self.prefill_retries += 1
-        go_local.set()  # the relay loop prefills on D, or fails under `fail`
+        """Run the prefill on `first` (whose lease the task holds); on failure try one other
+        prefill worker, then ask the decode side to prefill locally (per `on_prefill_failure`)."""
+        done = await self._prefill_on(first.worker, wreq, ticket, prep, timings)
+        if not done and (retry := self._pick_retry(first.worker, wreq)) is not None:
+            with retry:
+                done = await self._prefill_on(retry.worker, wreq, ticket, prep, timings)
+        if not done:
+            go_local.set()  # the relay prefills on D, or fails under `fail`
 
-    def _release(self, worker_id: str, _task: object = None) -> None:
-        self.inflight[worker_id] -= 1
+    async def _prefill_on(
+        self,
+        p: WorkerRecord,
+        wreq: wpb.WorkerRequest,
+        ticket: Any,
+        prep: Prepared,
+        timings: dict[str, Any],
+    ) -> bool:
+        """Prefill on `p` and push the KV to D; False if it failed and another worker may
+        succeed, True once nothing is left to do (pushed, or D's reservation has ended)."""
+        timings["prefill_worker"] = p.worker_id
+        stub = wpb_grpc.PrefillWorkerStub(self._channel(p.endpoint))
+        try:
+            reply = await stub.Prefill(
+                wpb.PrefillRequest(request=wreq, ticket=ticket), timeout=_time_left(prep)
+            )
+        except grpc.aio.AioRpcError as e:
+            log.warning("prefill of %s on %s failed: %s", wreq.request_id, p.worker_id, e)
+            if e.code() == grpc.StatusCode.UNAVAILABLE:
+                self.snapshot.mark_down(p.worker_id, MARK_DOWN_S)
+            # NOT_FOUND, CANCELLED: D's reservation has ended (it prefills locally, or was aborted)
+            return e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.CANCELLED)
+        timings["prefill_s"] = reply.prefill_s
+        timings["data_plane"] = reply.data_plane
+        return True
+
+    def _pick_retry(self, failed: WorkerRecord, wreq: wpb.WorkerRequest) -> Lease | None:
+        """Another prefill worker for the retry, if `on_prefill_failure` retries and one is live."""
+        others = [w for w in self._live("prefill") if w.worker_id != failed.worker_id]
+        if self.config.on_prefill_failure != "retry" or not others:
+            return None
+        retry = pick(self.prefill_policy, others, PickContext(wreq.prompt_token_ids, self.inflight))
+        self.prefill_retries += 1
+        return retry
+
+    # -- relay --------------------------------------------------------------------------------
+
+    async def _next_delta(
+        self,
+        route: Route,
+        wreq: wpb.WorkerRequest,
+        prep: Prepared,
+        abort: asyncio.Event,
+        relay: Relay,
+    ) -> Delta:
+        """The client's next message, from D's next chunk; the final one on an abort."""
+        while True:
+            msg = await _read_or(route.call, abort, route.go_local)
+            if msg == "abort":
+                return relay.final([], "abort")
+            if msg != "local":
+                break
+            await self._prefill_on_decode(route, wreq, prep, relay.timings)
+        if msg is grpc.aio.EOF:
+            raise RouterError(ErrorKind.UNAVAILABLE, "the decode worker ended the stream")
+        assert isinstance(msg, wpb.DecodeResponse)
+        return relay.delta(msg.tokens)
+
+    async def _prefill_on_decode(
+        self, route: Route, wreq: wpb.WorkerRequest, prep: Prepared, timings: dict[str, Any]
+    ) -> None:
+        """No prefill worker could push the KV: reopen Decode on D to compute it there."""
+        if self.config.on_prefill_failure == "fail":
+            raise RouterError(ErrorKind.UNAVAILABLE, "no prefill worker could serve")
+        route.call.cancel()
+        self.local_prefills += 1
+        timings["prefill_worker"] = ""
+        route.call = self._decode_call(route.decode.worker, wreq, True, prep)
+        await self._read_ticket(route.call, route.decode.worker)
+        route.go_local = asyncio.Event()
 
     def _worker_error(self, e: grpc.aio.AioRpcError, d: WorkerRecord) -> RouterError:
         code = e.code()
@@ -427,6 +423,23 @@ class Router:
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+def _worker_request(prep: Prepared) -> wpb.WorkerRequest:
+    wreq = wpb.WorkerRequest(
+        request_id=prep.request_id,
+        prompt_token_ids=prep.prompt_token_ids,
+        sampling=sampling_to_proto(prep.params),
+        priority=prep.priority,
+    )
+    if prep.speculative is not None:
+        wreq.speculative = prep.speculative
+    return wreq
+
+
+def _time_left(prep: Prepared) -> float:
+    """The gRPC timeout of a worker call: what is left to the deadline (never zero)."""
+    return max(prep.deadline - time.monotonic(), 0.001)
 
 
 async def _read_or(call: Any, abort: asyncio.Event, go_local: asyncio.Event) -> Any:

@@ -11,8 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from router.core import Delta, Router
+from router.core import Router
 from router.errors import RouterError, invalid
+from router.relay import Delta
 from router.router_metrics import RouterMetrics
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc

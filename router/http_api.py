@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.core import Delta, Prepared, Router
+from router.core import Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
+from router.relay import Delta
 from router.router_metrics import RouterMetrics
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
@@ -124,7 +125,16 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="Tandem", version="1")
     metrics = metrics or RouterMetrics(router)
+    _add_admin_routes(app, router, admin_token, controller)
+    _add_error_handlers(app)
+    _add_status_routes(app, router, metrics)
+    _add_generate_routes(app, router, metrics)
+    return app
 
+
+def _add_admin_routes(
+    app: FastAPI, router: Router, admin_token: str | None, controller: Any
+) -> None:
     def authorize(request: Request) -> None:
         if admin_token is not None and (
             request.headers.get("authorization") != f"Bearer {admin_token}"
@@ -143,6 +153,8 @@ def build_app(
             raise RouterError(ErrorKind.UNIMPLEMENTED, "scaling needs the Ray cluster controller")
         return dict(await controller.scale.remote(body.prefill, body.decode))
 
+
+def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -154,6 +166,10 @@ def build_app(
     @app.exception_handler(RouterError)
     async def on_router_error(request: Request, exc: RouterError) -> JSONResponse:
         return error_response(exc)
+
+
+def _add_status_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -> None:
+    """/health, /ready, /metrics and /v1/models."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -180,6 +196,10 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
+
+def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -> None:
+    """/v1/completions and /v1/chat/completions."""
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
         if body.echo:
@@ -203,8 +223,6 @@ def build_app(
         prep = router.prepare(params, model=body.model, messages=messages, timeout_s=body.timeout)
         render = _ChatRender(router, prep, body.logprobs)
         return await _respond(router, metrics, prep, render, body.stream, body.include_usage)
-
-    return app
 
 
 async def _respond(

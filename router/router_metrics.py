@@ -11,7 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from router.errors import RouterError
 
 if TYPE_CHECKING:
-    from router.core import Delta, Router
+    from router.core import Router
+    from router.relay import Delta
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -1,0 +1,306 @@
+"""The router's in-flight counts per worker, against scripted worker doubles (in-process gRPC
+servers that answer Decode and Prefill as a test tells them): a request counts on a worker
+from its pick to its end, the counts the policies see while a request is being placed are the
+ones they always saw (P counted before D is picked; the first P still counted while another
+retries its prefill), and every count returns to zero however the request ends: served, a
+prefill that fails once or everywhere, a decode worker that refuses or dies, an abort, a client
+that leaves, the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from router.core import Router
+from router.errors import ErrorKind, RouterError
+from router.relay import Delta
+from tandem.config import RouterConfig
+from tandem.registry import WorkerRecord
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import kv_transfer_pb2 as kvpb
+from tandem.v1 import worker_pb2 as wpb
+from tandem.v1 import worker_pb2_grpc as wpb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = list(range(40, 80))  # over local_prefill_tokens (32): a prefill worker computes it
+SHORT = list(range(40, 48))  # the decode worker prefills it
+CHUNKS = 3  # token chunks a serving decode worker sends
+
+
+class FakeSnapshot:
+    """The registry snapshot as the router reads it: a fixed listing; marks are noted."""
+
+    def __init__(self) -> None:
+        self.records: list[WorkerRecord] = []
+        self.marked: list[str] = []
+
+    def workers(self, model: str | None = None, role: str | None = None) -> list[WorkerRecord]:
+        return [w for w in self.records if role in (None, w.role) and model in (None, w.model)]
+
+    def mark_down(self, worker_id: str, seconds: float) -> None:
+        self.marked.append(worker_id)
+
+
+class Cluster:
+    """Fake workers, one gRPC server each, and the router under test. Each worker notes the
+    router's in-flight counts (zeros dropped) when a call reaches it, in `seen`."""
+
+    def __init__(self, router: Router, snapshot: FakeSnapshot) -> None:
+        self.router = router
+        self.snapshot = snapshot
+        self.pushed = asyncio.Event()  # a prefill worker "pushed the KV": D may stream
+        self.seen: list[tuple[str, dict[str, int]]] = []
+        self.local_calls = 0
+        self._servers: list[grpc.aio.Server] = []
+
+    def note(self, worker_id: str) -> None:
+        self.seen.append((worker_id, dict(+self.router.inflight)))
+
+    async def add(self, worker_id: str, role: str, behaviour: str) -> None:
+        server = grpc.aio.server()
+        if role == "decode":
+            wpb_grpc.add_DecodeWorkerServicer_to_server(
+                FakeDecode(self, worker_id, behaviour), server
+            )
+        else:
+            wpb_grpc.add_PrefillWorkerServicer_to_server(
+                FakePrefill(self, worker_id, behaviour), server
+            )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        self._servers.append(server)
+        now = time.time()
+        self.snapshot.records.append(
+            WorkerRecord(
+                worker_id=worker_id,
+                role=role,
+                model=self.router.model_name,
+                endpoint=f"127.0.0.1:{port}",
+                kv_endpoint="",
+                metrics_url="",
+                kv_blocks_total=100,
+                kv_blocks_free=100,
+                running=0,
+                waiting=0,
+                draining=False,
+                prefix_hashes=(),
+                started_at=now,
+                heartbeat_at=now,
+            )
+        )
+
+    async def stop(self) -> None:
+        await self.router.close()
+        for server in self._servers:
+            await server.stop(None)
+
+
+class FakeDecode(wpb_grpc.DecodeWorkerServicer):
+    """`serve`: the ticket, then (once the KV is pushed, or at once for a local prefill)
+    CHUNKS chunks of one token; `refuse`: UNAVAILABLE before the ticket; `die`: UNAVAILABLE
+    after the ticket and one chunk; `endless`: a chunk every 10 ms, never the last."""
+
+    def __init__(self, cluster: Cluster, worker_id: str, behaviour: str) -> None:
+        self.cluster, self.worker_id, self.behaviour = cluster, worker_id, behaviour
+
+    async def Decode(
+        self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[wpb.DecodeResponse]:
+        self.cluster.note(self.worker_id)
+        if self.behaviour == "refuse":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        yield wpb.DecodeResponse(ticket=kvpb.KVTicket(request_key=request.request.request_id))
+        if request.local_prefill:
+            self.cluster.local_calls += 1
+        else:
+            await self.cluster.pushed.wait()
+        for i in range(CHUNKS if self.behaviour == "serve" else 1 << 30):
+            last = self.behaviour == "serve" and i == CHUNKS - 1
+            yield wpb.DecodeResponse(
+                tokens=wpb.TokenChunk(token_ids=[97], finish_reason="length" if last else "")
+            )
+            if self.behaviour == "die":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker died")
+            if self.behaviour == "endless":
+                await asyncio.sleep(0.01)
+
+
+class FakePrefill(wpb_grpc.PrefillWorkerServicer):
+    """`push`: the KV reaches D; `fail`: UNAVAILABLE; `hang`: never answers."""
+
+    def __init__(self, cluster: Cluster, worker_id: str, behaviour: str) -> None:
+        self.cluster, self.worker_id, self.behaviour = cluster, worker_id, behaviour
+
+    async def Prefill(
+        self, request: wpb.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.PrefillResponse:
+        self.cluster.note(self.worker_id)
+        if self.behaviour == "fail":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker died")
+        if self.behaviour == "hang":
+            await asyncio.Event().wait()
+        self.cluster.pushed.set()
+        return wpb.PrefillResponse(data_plane="shm", prefill_s=0.001)
+
+
+def run(
+    path: Path,
+    workers: dict[str, str],
+    scenario: Callable[[Cluster], Coroutine[Any, Any, None]],
+    **config: Any,
+) -> Cluster:
+    """Start `workers` (id -> behaviour; ids starting with "p" are prefill workers), a router
+    with round-robin picks (so the first of each pool, by id, is picked first), run the
+    scenario, then check that every count has returned to zero."""
+
+    async def main() -> Cluster:
+        snapshot = FakeSnapshot()
+        router_config = RouterConfig(
+            str(path), prefill_policy="round_robin", decode_policy="round_robin", **config
+        )
+        cluster = Cluster(Router(router_config, snapshot), snapshot)
+        try:
+            for worker_id, behaviour in workers.items():
+                role = "prefill" if worker_id.startswith("p") else "decode"
+                await cluster.add(worker_id, role, behaviour)
+            await scenario(cluster)
+            await wait_idle(cluster.router)
+        finally:
+            await cluster.stop()
+        return cluster
+
+    return asyncio.run(main())
+
+
+async def wait_idle(router: Router, timeout_s: float = 5.0) -> None:
+    """Until no worker counts a request (a prefill task's lease ends when the task does, which
+    may be a moment after the client's last message)."""
+    deadline = time.monotonic() + timeout_s
+    while any(router.inflight.values()) or router.admission.inflight:
+        assert time.monotonic() < deadline, f"still in flight: {dict(+router.inflight)}"
+        await asyncio.sleep(0.01)
+
+
+async def generate(cluster: Cluster, ids: list[int], **kwargs: Any) -> list[Delta]:
+    prep = cluster.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=ids, **kwargs)
+    return [d async for d in cluster.router.generate(prep)]
+
+
+async def failure(cluster: Cluster, ids: list[int], **kwargs: Any) -> RouterError:
+    with pytest.raises(RouterError) as e:
+        await generate(cluster, ids, **kwargs)
+    return e.value
+
+
+def test_served_request_counts_p_before_d_is_picked(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        deltas = await generate(c, LONG)
+        assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == CHUNKS
+        assert deltas[-1].timings is not None
+        assert deltas[-1].timings["prefill_worker"] == "p1"
+
+    c = run(tiny_llama_path, {"p1": "push", "d1": "serve"}, scenario)
+    assert c.seen == [("d1", {"p1": 1, "d1": 1}), ("p1", {"p1": 1, "d1": 1})]
+
+
+def test_failed_prefill_is_retried_while_the_first_p_stays_counted(
+    tiny_llama_path: Path,
+) -> None:
+    async def scenario(c: Cluster) -> None:
+        deltas = await generate(c, LONG)
+        assert deltas[-1].timings is not None
+        assert deltas[-1].timings["prefill_worker"] == "p2"
+
+    c = run(tiny_llama_path, {"p1": "fail", "p2": "push", "d1": "serve"}, scenario)
+    assert c.seen == [
+        ("d1", {"p1": 1, "d1": 1}),
+        ("p1", {"p1": 1, "d1": 1}),
+        ("p2", {"p1": 1, "p2": 1, "d1": 1}),
+    ]
+    assert (c.router.prefill_retries, c.router.local_prefills) == (1, 0)
+    assert c.snapshot.marked == ["p1"]
+
+
+def test_prefill_failing_everywhere_goes_local_on_d(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        deltas = await generate(c, LONG)
+        assert deltas[-1].finish_reason == "length"
+        assert deltas[-1].timings is not None and deltas[-1].timings["prefill_worker"] == ""
+
+    c = run(tiny_llama_path, {"p1": "fail", "p2": "fail", "d1": "serve"}, scenario)
+    assert c.seen[-1] == ("d1", {"d1": 1}), c.seen  # both P leases ended before D reopened
+    assert (c.router.prefill_retries, c.router.local_prefills, c.local_calls) == (1, 1, 1)
+
+
+def test_prefill_failure_under_fail_policy_is_unavailable(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        e = await failure(c, LONG)
+        assert e.kind == ErrorKind.UNAVAILABLE and "no prefill worker" in e.message
+
+    c = run(tiny_llama_path, {"p1": "fail", "d1": "serve"}, scenario, on_prefill_failure="fail")
+    assert c.router.prefill_retries == 0
+
+
+def test_refusing_decode_worker_is_skipped_for_another(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        deltas = await generate(c, SHORT)
+        assert deltas[-1].timings is not None and deltas[-1].timings["decode_worker"] == "d2"
+
+    c = run(tiny_llama_path, {"d1": "refuse", "d2": "serve"}, scenario)
+    assert c.seen == [("d1", {"d1": 1}), ("d2", {"d2": 1})]
+    assert c.snapshot.marked == ["d1"]
+
+
+def test_no_decode_worker_opens_releases_the_picked_p(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        assert (await failure(c, LONG)).kind == ErrorKind.UNAVAILABLE
+
+    c = run(tiny_llama_path, {"p1": "push", "d1": "refuse"}, scenario)
+    assert c.seen == [("d1", {"p1": 1, "d1": 1})]
+
+
+def test_decode_worker_dying_mid_stream_is_unavailable(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        assert (await failure(c, LONG)).kind == ErrorKind.UNAVAILABLE
+
+    run(tiny_llama_path, {"p1": "push", "d1": "die"}, scenario)
+
+
+def test_abort_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
+        stream = c.router.generate(prep)
+        first = asyncio.ensure_future(anext(stream))
+        while len(c.seen) < 2:  # D opened, P reached
+            await asyncio.sleep(0.01)
+        assert c.router.abort(prep.request_id)
+        assert (await first).finish_reason == "abort"
+        await stream.aclose()
+
+    run(tiny_llama_path, {"p1": "hang", "d1": "serve"}, scenario)
+
+
+def test_client_leaving_mid_stream(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
+        async with contextlib.aclosing(c.router.generate(prep)) as stream:
+            assert (await anext(stream)).finish_reason is None
+            assert c.router.inflight["d1"] == 1
+
+    run(tiny_llama_path, {"p1": "push", "d1": "endless"}, scenario)
+
+
+def test_deadline_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        assert (await failure(c, LONG, timeout_s=0.3)).kind == ErrorKind.DEADLINE
+
+    run(tiny_llama_path, {"p1": "hang", "d1": "serve"}, scenario)
