@@ -48,6 +48,15 @@ log = logging.getLogger(__name__)
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 
 
+@dataclass(frozen=True)
+class ChatTemplateOptions:
+    """How chat messages are rendered: the generation prompt after them (off: the model
+    continues the conversation as it stands), and variables for the template itself."""
+
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -130,6 +139,7 @@ class Router:
         priority: int = 0,
         timeout_s: float = 0.0,
         speculative: bool | None = None,
+        chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> Prepared:
         """Tokenize and validate; raises RouterError before any worker is involved."""
         if model and model != self.model_name:
@@ -138,10 +148,16 @@ class Router:
                 f"model {model!r} is not served here; available: [{self.model_name!r}]",
                 field="model",
             )
-        tokens = self._prompt_tokens(prompt, prompt_token_ids, messages)
+        tokens = self._prompt_tokens(prompt, prompt_token_ids, messages, chat_template)
         if timeout_s < 0:
             raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
-        self._validate(tokens, params, "messages" if messages is not None else "prompt")
+        # Unset max_tokens: the rest of the context. The engine resolves it against its own
+        # context and KV cache (tandem/engine/engine_core.py), unless this router caps the
+        # context below the model's (a limit the workers do not know).
+        if self.config.max_model_len:
+            params = params.resolved_for(len(tokens), self.max_model_len)
+        checked = params.resolved_for(len(tokens), self.max_model_len)
+        self._validate(tokens, checked, "messages" if messages is not None else "prompt")
         timeout = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         deadline = time.monotonic() + timeout
@@ -152,6 +168,7 @@ class Router:
         prompt: str | None,
         prompt_token_ids: Sequence[int] | None,
         messages: Sequence[dict[str, Any]] | None,
+        chat_template: ChatTemplateOptions,
     ) -> list[int]:
         given = [x is not None for x in (prompt, prompt_token_ids, messages)]
         if sum(given) != 1:
@@ -159,14 +176,14 @@ class Router:
         if prompt is not None:
             return self.tokenizer.encode(prompt)
         if messages is not None:
-            return self._chat_tokens(messages)
+            return self._chat_tokens(messages, chat_template)
         return list(prompt_token_ids or [])
 
     def _validate(self, tokens: list[int], params: SamplingParams, prompt_field: str) -> None:
         try:
             params.validate(self.vocab_size)
             validate_prompt_token_ids(
-                tokens, self.vocab_size, self.max_model_len, params.max_tokens
+                tokens, self.vocab_size, self.max_model_len, params.output_budget
             )
         except ValueError as e:
             message = str(e)
@@ -174,7 +191,9 @@ class Router:
                 message = prompt_field + message.removeprefix("prompt")
             raise invalid(message) from None
 
-    def _chat_tokens(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def _chat_tokens(
+        self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions
+    ) -> list[int]:
         if not messages:
             raise invalid("messages must not be empty", "messages")
         for i, m in enumerate(messages):
@@ -188,7 +207,9 @@ class Router:
                     "messages",
                 )
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, options.add_generation_prompt, **options.template_kwargs
+            )
         except ValueError as e:  # e.g. a model without a chat template
             raise invalid(f"messages cannot be rendered for this model: {e}", "messages") from None
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -9,6 +9,7 @@ field (malformed JSON included), 404 for an unknown model, 429 with Retry-After 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,26 +21,48 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.core import Prepared, Router
+from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
+# Accepted and logged, with no effect here: OpenAI's storage, tracing and caching hints.
+NO_OP_FIELDS = (
+    "user",
+    "store",
+    "metadata",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+)
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """The fields both endpoints share. Any other field is a 400 naming it: nothing a client
+    sends is silently ignored (docs/api.md lists every field)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str = ""
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # None: the rest of the model's context
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     n: int = 1
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: _StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     seed: int | None = None
@@ -48,14 +71,27 @@ class _Sampling(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     timeout: float = 0.0  # seconds; 0 = the router's default
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
             raise invalid(f"n must be 1, got {self.n}", "n")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        given = [name for name in NO_OP_FIELDS if getattr(self, name) is not None]
+        if given:
+            log.info("accepted without effect: %s", ", ".join(given))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=16 if max_tokens is None else max_tokens,
+            max_tokens=self.max_completion_tokens or self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -69,11 +105,13 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @property
     def include_usage(self) -> bool:
-        return bool((self.stream_options or {}).get("include_usage"))
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
@@ -83,15 +121,39 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str | list[dict[str, Any]]
+    name: str | None = None  # a participant's name: accepted, not shown to the model
+
+    def text(self, index: int) -> str:
+        """The content as text: a string, or text parts joined by newlines (as vLLM does);
+        any other part is a 400 naming it."""
+        if isinstance(self.content, str):
+            return self.content
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str) or len(part) != 2:
+                raise invalid(
+                    f"messages[{index}].content[{j}]: only text parts "
+                    f'({{"type": "text", "text": ...}}) are supported, got type {kind!r}',
+                    "messages",
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def rendered_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
 
 
 def error_body(e: RouterError) -> dict[str, Any]:
@@ -161,6 +223,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         field = "body" if first.get("type") == "json_invalid" else ".".join(loc) or "body"
         message = f"{field}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "extra_forbidden":
+            message = f"{field} is not supported by this server (docs/api.md lists the fields)"
         return error_response(invalid(message, field))
 
     @app.exception_handler(RouterError)
@@ -204,7 +268,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     async def completions(body: CompletionRequest) -> Response:
         if body.echo:
             raise invalid("echo is not supported", "echo")
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        params = body.sampling_params(body.logprobs)
         prompt: dict[str, Any] = (
             {"prompt": body.prompt}
             if isinstance(body.prompt, str)
@@ -217,10 +281,16 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Response:
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = body.sampling_params(max_tokens, n_logprobs)
-        messages = [m.model_dump() for m in body.messages]
-        prep = router.prepare(params, model=body.model, messages=messages, timeout_s=body.timeout)
+        params = body.sampling_params(n_logprobs)
+        prep = router.prepare(
+            params,
+            model=body.model,
+            messages=body.rendered_messages(),
+            timeout_s=body.timeout,
+            chat_template=ChatTemplateOptions(
+                body.add_generation_prompt, body.chat_template_kwargs or {}
+            ),
+        )
         render = _ChatRender(router, prep, body.logprobs)
         return await _respond(router, metrics, prep, render, body.stream, body.include_usage)
 

@@ -43,7 +43,11 @@ class Relay:
         timings: dict[str, Any],
     ) -> None:
         self.detok = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, params.stop_strings, params.skip_special_tokens
+            tokenizer,
+            prompt_token_ids,
+            params.stop_strings,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
         )
         self.prompt_tokens = len(prompt_token_ids)
         self.arrival = arrival  # monotonic

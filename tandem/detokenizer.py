@@ -18,8 +18,10 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: Sequence[str] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self.include_stop = include_stop  # the text keeps the stop string it ends on
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
         self.tokens = list(prompt_token_ids[-6:])  # a little context for leading-space rules
@@ -51,7 +53,7 @@ class IncrementalDetokenizer:
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 index, self.stop_string = min(hits)
-                self.text = self.text[:index]
+                self.text = self.text[: index + len(self.stop_string) * self.include_stop]
 
     def pop_text(self, finished: bool) -> str:
         """Text not yet handed out. While running, the last len(longest stop) - 1 characters are

@@ -22,6 +22,8 @@ def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
     for name in ("max_tokens", "top_k", "seed", "logprobs", *_FLOAT_FIELDS):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
+    if not msg.HasField("max_tokens"):
+        kwargs["max_tokens"] = None  # the rest of the model's context
     return SamplingParams(
         stop=tuple(msg.stop),
         stop_token_ids=tuple(msg.stop_token_ids),
@@ -33,7 +35,6 @@ def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
 
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
     msg = api_pb2.SamplingOptions(
-        max_tokens=params.max_tokens,
         top_k=params.top_k,
         stop=list(params.stop_strings),
         stop_token_ids=list(params.stop_token_ids),
@@ -42,6 +43,8 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
     )
     for name in _FLOAT_FIELDS:
         setattr(msg, name, getattr(params, name))
+    if params.max_tokens is not None:  # unset: the rest of the model's context
+        msg.max_tokens = params.max_tokens
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # A temperature below this samples greedily: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
@@ -19,7 +19,7 @@ MAX_LOGPROBS = 20
 class SamplingParams:
     """How to sample one request's output; immutable, shared by router, workers and engine."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: the rest of the model's context (`resolved_for`)
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
@@ -34,6 +34,23 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens exist
     logprobs: int | None = None  # top-n logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # the text keeps the stop string it ends on
+
+    def resolved_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
+        """These parameters with a number for max_tokens: None becomes the room the context
+        leaves after the prompt (at least 1, so that a prompt filling it fails validation as
+        too long rather than max_tokens as too small)."""
+        if self.max_tokens is not None:
+            return self
+        return replace(self, max_tokens=max(max_model_len - prompt_len, 1))
+
+    @property
+    def output_budget(self) -> int:
+        """max_tokens, once `resolved_for` has given it a number (the router and the engine do
+        before anything reads it)."""
+        if self.max_tokens is None:
+            raise ValueError("max_tokens is not resolved against the model's context yet")
+        return self.max_tokens
 
     @property
     def greedy(self) -> bool:
@@ -45,7 +62,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first field outside its allowed range."""
-        if self.max_tokens < 1:
+        if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
@@ -70,7 +87,9 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {token_id}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )

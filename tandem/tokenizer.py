@@ -76,19 +76,26 @@ class Tokenizer:
         return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
     ) -> str:
-        """The conversation as the model was trained to read it; ValueError if it has no chat
-        template or the template rejects the messages."""
+        """The conversation as the model was trained to read it; `template_kwargs` are further
+        variables of the template. ValueError if it has no chat template or the template
+        rejects the messages."""
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template")
         if self._template is None:
             self._template = _environment().from_string(self.chat_template)
         try:
             return self._template.render(
-                messages=list(messages),
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
+                {
+                    **self.special_tokens,
+                    **template_kwargs,
+                    "messages": list(messages),
+                    "add_generation_prompt": add_generation_prompt,
+                }
             )
         except jinja2.TemplateError as e:
             raise ValueError(str(e)) from None

@@ -61,6 +61,8 @@ class EngineCore:
         self.kv_cache = KVCacheManager(
             self.executor.num_blocks, cache.block_size, cache.enable_prefix_caching
         )
+        # The longest sequence this engine can hold: its context, or what the KV cache fits.
+        self.max_sequence_len = min(self.max_model_len, self.executor.num_blocks * cache.block_size)
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache, self.max_model_len, cfg.eos_token_ids, role
         )
@@ -79,9 +81,11 @@ class EngineCore:
         """Validate and queue a request; raises ValueError before any KV is allocated.
 
         `speculative=False` opts this request out of the engine's speculative decoding."""
+        # No max_tokens: the rest of the context, as far as the KV cache can hold one sequence
+        params = params.resolved_for(len(prompt_token_ids), self.max_sequence_len)
         params.validate(self.vocab_size)
         validate_prompt_token_ids(
-            prompt_token_ids, self.vocab_size, self.max_model_len, params.max_tokens
+            prompt_token_ids, self.vocab_size, self.max_model_len, params.output_budget
         )
         scheduler = self.config.scheduler
         if not scheduler.enable_chunked_prefill and (
@@ -94,7 +98,7 @@ class EngineCore:
             )
         # A request that could never fit would preempt itself forever.
         max_blocks = math.ceil(
-            (len(prompt_token_ids) + params.max_tokens) / self.kv_cache.block_size
+            (len(prompt_token_ids) + params.output_budget) / self.kv_cache.block_size
         )
         if max_blocks > self.kv_cache.num_blocks:
             raise ValueError(

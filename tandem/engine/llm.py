@@ -143,7 +143,11 @@ class LLM:
                 rid = str(next(self._ids))
                 req = self.engine.add_request(rid, ids, p)
                 detok = IncrementalDetokenizer(
-                    self.tokenizer, ids, p.stop_strings, p.skip_special_tokens
+                    self.tokenizer,
+                    ids,
+                    p.stop_strings,
+                    p.skip_special_tokens,
+                    p.include_stop_str_in_output,
                 )
                 states[rid] = _State(req, detok, RequestOutput(rid, ids))
         except ValueError:

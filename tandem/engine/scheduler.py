@@ -250,7 +250,10 @@ class Scheduler:
         if stops and len(req.output_token_ids) >= params.min_tokens:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+        if (
+            len(req.output_token_ids) >= params.output_budget
+            or req.num_tokens >= self.max_model_len
+        ):
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -169,3 +169,15 @@ def test_generate_with_one_bad_prompt_queues_nothing(llm: LLM) -> None:
     assert [o.prompt_token_ids for o in outputs] == [llm.encode("hello"), [5, 6]]
     assert all(o.finished and len(o.token_ids) <= 3 for o in outputs)
     assert_untouched(llm.engine)
+
+
+def test_without_max_tokens_a_request_runs_to_what_the_cache_holds(tiny_llama_path: Path) -> None:
+    config = EngineConfig.create(str(tiny_llama_path), num_blocks=4, block_size=4)
+    small = EngineCore(config)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    req = small.add_request("r", list(range(10)), params)
+    while small.has_unfinished():
+        small.step()
+    assert small.max_sequence_len == 16  # 4 blocks of 4: below the model's context
+    assert len(req.output_token_ids) == 6 and req.status.name == "FINISHED_LENGTH"
+    assert_untouched(small)

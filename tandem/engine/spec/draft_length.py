@@ -65,7 +65,7 @@ class DraftLengthPolicy:
             if not req.speculative or not decoding:
                 continue
             room = min(
-                req.params.max_tokens - len(req.output_token_ids),
+                req.params.output_budget - len(req.output_token_ids),
                 self.max_model_len - req.num_tokens,
             )
             k = num_draft_tokens(

@@ -1,0 +1,147 @@
+"""Every field of OpenAI's request types works, is an accepted no-op, or is a 400 naming it.
+
+The field lists come from the installed `openai` package, so a field OpenAI adds is classified
+here the day the package knows it. Also: a missing max_tokens means the rest of the context,
+message content as a list of text parts, `include_stop_str_in_output`, `max_completion_tokens`
+on completions. On the module's SmolLM2 cluster (`smol`, conftest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, get_type_hints
+
+import pytest
+from cluster_helpers import http_post
+from conftest import SMOL
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
+
+from router.http_api import NO_OP_FIELDS, ChatRequest, CompletionRequest
+from router.router_server import RouterServer
+from tandem.cluster.local_cluster import LocalCluster
+from tandem.config import RouterConfig
+from tandem.engine import LLM, SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+CHAT = [{"role": "user", "content": "Name three colours."}]
+NO_OP_VALUES = {
+    "user": "user-1",
+    "store": False,
+    "metadata": {"team": "search"},
+    "service_tier": "auto",
+    "prompt_cache_key": "key-1",
+    "safety_identifier": "id-1",
+}
+
+
+def openai_fields(params: type) -> set[str]:
+    return set(get_type_hints(params, include_extras=False)) | {"stream"}
+
+
+ENDPOINTS = [
+    (
+        "/v1/chat/completions",
+        openai_fields(chat_create_params.CompletionCreateParamsBase),
+        ChatRequest,
+        {"model": SMOL, "messages": CHAT, "max_tokens": 1},
+    ),
+    (
+        "/v1/completions",
+        openai_fields(completion_create_params.CompletionCreateParamsBase),
+        CompletionRequest,
+        {"model": SMOL, "prompt": "Hello", "max_tokens": 1},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def url(smol: LocalCluster) -> str:
+    assert smol.address is not None
+    return smol.address.http_url
+
+
+def test_the_no_op_fields_are_known_to_openai() -> None:
+    known = set.union(*(fields for _, fields, _, _ in ENDPOINTS))
+    assert set(NO_OP_FIELDS) <= known
+    assert set(NO_OP_VALUES) == set(NO_OP_FIELDS)
+
+
+@pytest.mark.parametrize(("path", "fields", "model", "base"), ENDPOINTS, ids=["chat", "completion"])
+def test_every_openai_field_works_is_a_no_op_or_is_rejected_by_name(
+    url: str, path: str, fields: set[str], model: type, base: dict[str, Any]
+) -> None:
+    served = set(model.model_fields) - set(NO_OP_FIELDS)
+    rejected = sorted(fields - served - set(NO_OP_FIELDS))
+    assert "response_format" in rejected or path == "/v1/completions"
+    for name in rejected:
+        r = http_post(f"{url}{path}", {**base, name: {"any": "value"}})
+        assert r.status_code == 400, (name, r.text)
+        error = r.json()["error"]
+        assert error["param"] == name and "not supported" in error["message"], error
+    for name in sorted(fields & set(NO_OP_FIELDS)):
+        r = http_post(f"{url}{path}", {**base, name: NO_OP_VALUES[name]})
+        assert r.status_code == 200, (name, r.text)
+
+
+def test_a_field_openai_does_not_know_is_rejected_by_name(url: str) -> None:
+    r = http_post(
+        f"{url}/v1/chat/completions", {"model": SMOL, "messages": CHAT, "guided_json": {}}
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "guided_json"
+
+
+@pytest.fixture(scope="module")
+def short_context_router(smol: LocalCluster) -> Iterator[str]:
+    """A second router over the same workers that allows 48 tokens of context."""
+    assert smol.registry is not None
+    server = RouterServer(
+        RouterConfig(SMOL, max_model_len=48), smol.registry.url, http_port=0, grpc_port=0
+    )
+    try:
+        yield server.start().http_url
+    finally:
+        server.stop()
+
+
+def test_without_max_tokens_a_chat_runs_to_eos_or_the_context_end(
+    short_context_router: str,
+) -> None:
+    story = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+    body = {"model": SMOL, "messages": story, "temperature": 0, "ignore_eos": True}
+    r = http_post(f"{short_context_router}/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    usage, choice = r.json()["usage"], r.json()["choices"][0]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 48
+    assert choice["finish_reason"] == "length"
+
+
+def test_text_parts_are_read_and_other_parts_rejected(url: str, smol_llm: LLM) -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    reference = smol_llm.chat(CHAT, greedy)[0].text
+    parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
+    body = {"model": SMOL, "messages": parts, "max_tokens": 8, "temperature": 0}
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == reference
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    body["messages"] = [{"role": "user", "content": [image]}]
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages" and "image_url" in r.text
+
+
+def test_stop_string_kept_on_request_and_max_completion_tokens(url: str, smol_llm: LLM) -> None:
+    prompt = "The capital of France is"
+    text = smol_llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0))[0].text
+    stop = text.strip().split()[0]
+    body = {"model": SMOL, "prompt": prompt, "temperature": 0, "stop": [stop]}
+    kept = http_post(f"{url}/v1/completions", {**body, "include_stop_str_in_output": True})
+    dropped = http_post(f"{url}/v1/completions", {**body, "max_completion_tokens": 8})
+    assert kept.json()["choices"][0]["text"] == dropped.json()["choices"][0]["text"] + stop
+    assert dropped.json()["usage"]["completion_tokens"] <= 8
+    both = {**body, "max_tokens": 4, "max_completion_tokens": 4}
+    r = http_post(f"{url}/v1/completions", both)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -1,0 +1,19 @@
+"""tandem.messages: sampling options between proto and SamplingParams, unset fields included."""
+
+from __future__ import annotations
+
+from tandem.messages import sampling_from_proto, sampling_to_proto
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import api_pb2
+
+
+def test_an_unset_max_tokens_is_the_rest_of_the_context_both_ways() -> None:
+    assert sampling_from_proto(api_pb2.SamplingOptions()).max_tokens is None
+    assert not sampling_to_proto(SamplingParams(max_tokens=None)).HasField("max_tokens")
+    assert sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=7))).max_tokens == 7
+
+
+def test_resolved_for_fills_only_an_unset_max_tokens() -> None:
+    assert SamplingParams(max_tokens=None).resolved_for(10, 64).max_tokens == 54
+    assert SamplingParams(max_tokens=5).resolved_for(10, 64).max_tokens == 5
+    assert SamplingParams(max_tokens=None).resolved_for(64, 64).max_tokens == 1  # fails later
