@@ -142,12 +142,7 @@ class Router:
         chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> Prepared:
         """Tokenize and validate; raises RouterError before any worker is involved."""
-        if model and model != self.model_name:
-            raise RouterError(
-                ErrorKind.NOT_FOUND,
-                f"model {model!r} is not served here; available: [{self.model_name!r}]",
-                field="model",
-            )
+        self._check_model(model)
         tokens = self._prompt_tokens(prompt, prompt_token_ids, messages, chat_template)
         if timeout_s < 0:
             raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
@@ -162,6 +157,39 @@ class Router:
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         deadline = time.monotonic() + timeout
         return Prepared(rid, tokens, params, priority, deadline, speculative=speculative)
+
+    def _check_model(self, model: str) -> None:
+        """NOT_FOUND unless `model` is this router's (or empty: the one it serves)."""
+        if model and model != self.model_name:
+            raise RouterError(
+                ErrorKind.NOT_FOUND,
+                f"model {model!r} is not served here; available: [{self.model_name!r}]",
+                field="model",
+            )
+
+    def tokenize(
+        self,
+        *,
+        model: str = "",
+        prompt: str | None = None,
+        messages: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The token ids `prepare` would send for this prompt or conversation (/tokenize)."""
+        self._check_model(model)
+        if messages is not None and prompt is None:
+            return self._chat_tokens(messages, ChatTemplateOptions(add_generation_prompt))
+        if prompt is not None and messages is None:
+            return self.tokenizer.encode(prompt)
+        raise invalid("give exactly one of prompt or messages", "prompt")
+
+    def detokenize(self, token_ids: Sequence[int], *, model: str = "") -> str:
+        """The text of `token_ids` (/detokenize); INVALID_ARGUMENT names an id out of range."""
+        self._check_model(model)
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < self.vocab_size:
+                raise invalid(f"tokens[{i}] must be in [0, {self.vocab_size}), got {t}", "tokens")
+        return str(self.tokenizer.decode(token_ids))
 
     def _prompt_tokens(
         self,
@@ -238,7 +266,18 @@ class Router:
         finally:
             self._aborts.pop(prep.request_id, None)
 
+    @property
+    def ready(self) -> bool:
+        """Whether a decode worker of this model takes new requests: HTTP /ready and gRPC
+        health follow it."""
+        return self.serving_decode_workers() > 0
+
+    def serving_decode_workers(self) -> int:
+        """How many decode workers of this model take new requests (/ready reports it)."""
+        return len(self._live("decode"))
+
     def _live(self, role: str) -> list[WorkerRecord]:
+        """The workers of this model and `role` that take new requests (not draining)."""
         return [
             w for w in self.snapshot.workers(model=self.model_name, role=role) if not w.draining
         ]

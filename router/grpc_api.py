@@ -1,5 +1,6 @@
 """The public gRPC API (`tandem.v1.Tandem`) and the admin API (`tandem.v1.Admin`) on grpc.aio:
-thin servicers that translate messages and delegate to the Router."""
+thin servicers that translate messages and delegate to the Router. The API key and the admin
+token are checked before a servicer runs (`auth.py`); health follows readiness (`readiness.py`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from router.auth import BearerInterceptor, Credentials
 from router.core import Router
 from router.errors import RouterError, invalid
+from router.readiness import ReadinessHealth
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
 from tandem.messages import logprobs_to_proto, sampling_from_proto
@@ -106,24 +109,13 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """Needs `authorization: Bearer <token>` when the router has an admin token."""
-
-    def __init__(self, router: Router, token: str | None, controller: Any = None) -> None:
+    def __init__(self, router: Router, controller: Any = None) -> None:
         self.router = router
-        self.token = token
         self.controller = controller  # the Ray pool controller's actor handle, if any
-
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.token is None:
-            return
-        metadata = dict(context.invocation_metadata() or ())
-        if metadata.get("authorization") != f"Bearer {self.token}":
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "admin token required")
 
     async def ListWorkers(
         self, request: admin_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListWorkersResponse:
-        await self._authorize(context)
         now = time.time()
         return admin_pb2.ListWorkersResponse(
             workers=[
@@ -148,7 +140,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Scale(
         self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ScaleResponse:
-        await self._authorize(context)
         if self.controller is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "scaling needs the Ray cluster controller"
@@ -161,7 +152,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Drain(
         self, request: admin_pb2.DrainRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.DrainResponse:
-        await self._authorize(context)
         if self.controller is None:
             await context.abort(
                 grpc.StatusCode.UNIMPLEMENTED, "draining by RPC needs the Ray cluster controller"
@@ -177,23 +167,25 @@ async def build_grpc_server(
     metrics: RouterMetrics,
     admin_token: str | None = None,
     controller: Any = None,
-) -> tuple[grpc.aio.Server, int]:
-    """The router's gRPC server (public + admin + health + reflection), not yet started."""
-    server = grpc.aio.server()
-    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(router, metrics), server)
-    admin_pb2_grpc.add_AdminServicer_to_server(
-        AdminServicer(router, admin_token, controller), server
+    readiness_period_s: float = 0.25,
+) -> tuple[grpc.aio.Server, int, ReadinessHealth]:
+    """The router's gRPC server (public + admin + health + reflection), not yet started, and its
+    health's readiness follower (run its `follow()` while the server serves)."""
+    tandem_name = api_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+    admin_name = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+    credentials = Credentials.of(router.config.api_key, admin_token)
+    auth = BearerInterceptor(
+        {tandem_name: credentials.api_key, admin_name: credentials.admin_token}
     )
+    server = grpc.aio.server(interceptors=[auth])
+    api_pb2_grpc.add_TandemServicer_to_server(TandemServicer(router, metrics), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(router, controller), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [
-        api_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name,
-        admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
-        health.SERVICE_NAME,
-        reflection.SERVICE_NAME,
-    ]
+    names = [tandem_name, admin_name, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     port = server.add_insecure_port(address)
-    for name in ("", *names[:2]):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    await health_servicer.set(admin_name, health_pb2.HealthCheckResponse.SERVING)
+    readiness = ReadinessHealth(router, health_servicer, [tandem_name], readiness_period_s)
+    await readiness.update()
+    return server, port, readiness

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions (SSE streaming),
-/v1/models, plus /health, /ready and /metrics. Routes translate and delegate to the Router.
+/v1/models, vLLM's /tokenize and /detokenize, plus /health, /ready, /metrics and /version.
+Routes translate and delegate to the Router; the API key and the admin token are checked before
+a route runs (`auth.py`: 401).
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 naming the
 field (malformed JSON included), 404 for an unknown model, 429 with Retry-After under overload,
@@ -13,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from importlib.metadata import version
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
@@ -21,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from router.auth import BearerMiddleware, Credentials
 from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
@@ -187,30 +191,27 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="Tandem", version="1")
     metrics = metrics or RouterMetrics(router)
-    _add_admin_routes(app, router, admin_token, controller)
+    credentials = Credentials.of(router.config.api_key, admin_token)
+    app.add_middleware(BearerMiddleware, credentials=credentials, deny=_unauthorized)
+    _add_admin_routes(app, router, controller)
     _add_error_handlers(app)
     _add_status_routes(app, router, metrics)
+    _add_tokenizer_routes(app, router)
     _add_generate_routes(app, router, metrics)
     return app
 
 
-def _add_admin_routes(
-    app: FastAPI, router: Router, admin_token: str | None, controller: Any
-) -> None:
-    def authorize(request: Request) -> None:
-        if admin_token is not None and (
-            request.headers.get("authorization") != f"Bearer {admin_token}"
-        ):
-            raise RouterError(ErrorKind.UNAUTHORIZED, "admin token required")
+def _unauthorized(reason: str) -> Response:
+    return error_response(RouterError(ErrorKind.UNAUTHORIZED, reason))
 
+
+def _add_admin_routes(app: FastAPI, router: Router, controller: Any) -> None:
     @app.get("/admin/workers")
-    async def admin_workers(request: Request) -> dict[str, Any]:
-        authorize(request)
+    async def admin_workers() -> dict[str, Any]:
         return {"workers": [w.__dict__ for w in router.snapshot.workers()]}
 
     @app.post("/admin/scale")
-    async def admin_scale(request: Request, body: ScaleRequest) -> dict[str, int]:
-        authorize(request)
+    async def admin_scale(body: ScaleRequest) -> dict[str, int]:
         if controller is None:
             raise RouterError(ErrorKind.UNIMPLEMENTED, "scaling needs the Ray cluster controller")
         return dict(await controller.scale.remote(body.prefill, body.decode))
@@ -233,7 +234,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_status_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -> None:
-    """/health, /ready, /metrics and /v1/models."""
+    """/health, /ready, /metrics, /version and /v1/models."""
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -241,9 +242,12 @@ def _add_status_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -> 
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        decode = router.snapshot.workers(model=router.model_name, role="decode")
-        ok = bool(decode)
-        return JSONResponse({"ready": ok, "decode_workers": len(decode)}, 200 if ok else 503)
+        decode = router.serving_decode_workers()
+        return JSONResponse({"ready": decode > 0, "decode_workers": decode}, 200 if decode else 503)
+
+    @app.get("/version")
+    async def package_version() -> dict[str, str]:
+        return {"version": version("tandem-serve")}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -259,6 +263,43 @@ def _add_status_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -> 
             "max_model_len": router.max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered as chat requests are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = ""
+    tokens: list[int]
+
+
+def _add_tokenizer_routes(app: FastAPI, router: Router) -> None:
+    """/tokenize and /detokenize, with vLLM's bodies."""
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        messages = None if body.messages is None else [m.model_dump() for m in body.messages]
+        tokens = router.tokenize(
+            model=body.model,
+            prompt=body.prompt,
+            messages=messages,
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": router.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        return {"prompt": router.detokenize(body.tokens, model=body.model)}
 
 
 def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -> None:

@@ -1,4 +1,5 @@
-"""Run the router: the gRPC API and the HTTP API in one asyncio loop, over a registry snapshot.
+"""Run the router: the gRPC API and the HTTP API in one asyncio loop, over a registry snapshot,
+with the gRPC health following readiness on the same loop.
 
 `RouterServer` runs that loop on a thread (the local launcher and tests use it);
 `tandem router` blocks on it until interrupted.
@@ -49,6 +50,7 @@ class RouterServer:
         self.snapshot = RegistrySnapshot(self.registry, refresh_s=refresh_s)
         self.host = host
         self.admin_token = admin_token
+        self.refresh_s = refresh_s
         self._http_socket = socket.create_server((host, http_port), reuse_port=False)
         self._grpc_port = grpc_port
         self._loop = asyncio.new_event_loop()
@@ -77,14 +79,16 @@ class RouterServer:
     async def _serve(self) -> None:
         self.router = Router(self.config, self.snapshot)
         metrics = RouterMetrics(self.router)  # one set for both APIs
-        grpc_server, grpc_port = await build_grpc_server(
+        grpc_server, grpc_port, readiness = await build_grpc_server(
             self.router,
             f"{self.host}:{self._grpc_port}",
             metrics,
             self.admin_token,
             self.controller,
+            readiness_period_s=self.refresh_s,
         )
         await grpc_server.start()
+        following = asyncio.create_task(readiness.follow())
         app = build_app(self.router, metrics, self.admin_token, self.controller)
         config = uvicorn.Config(app, log_level="warning", lifespan="off")
         self._uvicorn = uvicorn.Server(config)
@@ -95,6 +99,7 @@ class RouterServer:
             await asyncio.sleep(0.01)
         self._ready.set()
         await serving
+        following.cancel()
         await grpc_server.stop(1.0)
         await self.router.close()
 

@@ -79,6 +79,12 @@ def cpu_attention_kernel() -> bool:
     return os.environ.get("TANDEM_CPU_ATTENTION", "kernel") != "sdpa"
 
 
+def api_key_from_environment() -> str | None:
+    """The key the router's public APIs require (`$TANDEM_API_KEY`); None, unset or empty: open.
+    An environment variable keeps the key out of the process list, where a flag would show it."""
+    return os.environ.get("TANDEM_API_KEY") or None
+
+
 def put_python_bin_on_path() -> None:
     """Let this process's children find the tools installed beside its Python (ninja)."""
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
@@ -352,7 +358,12 @@ class RouterConfig:
     max_queue: int = 1024
     timeout_s: float = 600.0  # a request's deadline unless it asks for a shorter one
     max_model_len: int | None = None
+    # `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and tandem.v1.Tandem (auth.py);
+    # None: open. Kept out of repr, so a logged config does not leak it.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty (None leaves the APIs open)")
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
             raise ValueError(f"on_prefill_failure must be one of {ON_PREFILL_FAILURE}")

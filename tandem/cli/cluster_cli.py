@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from tandem.cli.options import (
+    ApiKeyOpt,
     DeviceOpt,
     DraftModelOpt,
     DtypeOpt,
@@ -20,7 +21,7 @@ from tandem.cli.options import (
     console,
     speculative_option,
 )
-from tandem.config import DEFAULT_MODEL
+from tandem.config import DEFAULT_MODEL, RouterConfig, api_key_from_environment
 
 
 def serve(
@@ -40,6 +41,7 @@ def serve(
     autoscale: Annotated[bool, typer.Option(help="SLO autoscaler (Ray only).")] = False,
     dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
     admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
+    api_key: ApiKeyOpt = None,
     demo: Annotated[bool, typer.Option(help="Answer one request, then keep serving.")] = True,
     gpus_per_worker: Annotated[int, typer.Option(help="GPU bundles per worker (0: CPU).")] = 0,
     cpus_per_worker: Annotated[float, typer.Option(help="CPUs reserved per worker.")] = 1.0,
@@ -67,13 +69,14 @@ def serve(
         "max_num_seqs": max_num_seqs, "num_threads": num_threads,
     }  # fmt: skip
     listen = (redis, host, http_port, grpc_port)
+    router = router_config(model, api_key)
     cluster: Any
     if ray:
         speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
         cluster = _ray_cluster(
             model, prefill, decode, address, listen, engine_options, speculative,
             _ray_pools(cpus_per_worker, gpus_per_worker, pin_pools), autoscale, dry_run,
-            admin_token,
+            admin_token, router,
         )  # fmt: skip
     else:
         spec_flags = ["--spec", spec] if spec else []
@@ -82,11 +85,17 @@ def serve(
         spec_flags += ["--engine", engine] + (["--sim-profile", sim_profile] if sim_profile else [])
         worker_args = _worker_flags(engine_options) + spec_flags
         cluster = LocalCluster(
-            model, prefill, decode, *listen, worker_args=worker_args, admin_token=admin_token
-        )
+            model, prefill, decode, *listen, worker_args=worker_args, router=router,
+            admin_token=admin_token,
+        )  # fmt: skip
     where = "Ray" if ray else "local processes"
     console.print(f"starting {prefill} prefill + {decode} decode workers of {model} on {where}")
-    _serve_until_interrupted(cluster, model, demo)
+    _serve_until_interrupted(cluster, model, demo, router.api_key)
+
+
+def router_config(model: str, api_key: str | None, **options: Any) -> RouterConfig:
+    """The router's config; the API key from `--api-key`, else `$TANDEM_API_KEY`."""
+    return RouterConfig(model, api_key=api_key or api_key_from_environment(), **options)
 
 
 def _ray_pools(cpus: float, gpus: int, pinned: bool) -> dict[str, Any]:
@@ -111,6 +120,7 @@ def _ray_cluster(
     autoscale: bool,
     dry_run: bool,
     admin_token: str | None,
+    router: RouterConfig,
 ) -> Any:
     """The pools as Ray actors; the decode pool speculates as `--spec` says."""
     from tandem.cluster.autoscaler import AutoscalerConfig
@@ -123,7 +133,7 @@ def _ray_cluster(
         decode_engine={"speculative": speculative} if speculative else {},
         prefill_pool=pools["prefill"], decode_pool=pools["decode"],
         autoscale=AutoscalerConfig() if autoscale else None, dry_run=dry_run,
-        admin_token=admin_token,
+        admin_token=admin_token, router=router,
     )  # fmt: skip
 
 
@@ -151,23 +161,25 @@ def _worker_flags(engine_options: dict[str, Any]) -> list[str]:
     ]
 
 
-def _serve_until_interrupted(cluster: Any, model: str, demo: bool) -> None:
+def _serve_until_interrupted(cluster: Any, model: str, demo: bool, api_key: str | None) -> None:
     """Start the cluster, print how to reach it, answer the demo request, serve until Ctrl-C;
     stop it however that ends."""
     address = cluster.start()
     try:
         console.print(f"[green]ready[/green]  HTTP {address.http_url}  gRPC {address.grpc_target}")
+        key = "" if api_key is None else "-H 'Authorization: Bearer <API key>' "
         console.print(
             f"  curl {address.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}'"""
+            + key
+            + f"""-d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hi!"}}]}}'"""
         )
         console.print(
-            f'  grpcurl -plaintext -d \'{{"prompt": "Hi"}}\' {address.grpc_target} '
+            f'  grpcurl -plaintext {key}-d \'{{"prompt": "Hi"}}\' {address.grpc_target} '
             "tandem.v1.Tandem/Generate"
         )
         console.print(f"  tandem status --router {address.grpc_target}")
         if demo:
-            _demo_request(address.http_url, model)
+            _demo_request(address.http_url, model, api_key)
         console.print("[dim]serving; Ctrl-C stops[/dim]")
         assert cluster.router_server is not None
         cluster.router_server.wait()
@@ -189,6 +201,7 @@ def router_cmd(
         str | None, typer.Option(help="Ray cluster (e.g. ray://head:10001) for Scale/Drain.")
     ] = None,
     admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
+    api_key: ApiKeyOpt = None,
     prefill_policy: str = "prefix_aware",
     decode_policy: str = "least_loaded",
     local_prefill_tokens: int = 32,
@@ -196,7 +209,6 @@ def router_cmd(
     """Run only the router (its own process or Kubernetes Deployment); workers come from the
     registry."""
     from router.router_server import RouterServer
-    from tandem.config import RouterConfig
 
     controller = None
     if ray_address:
@@ -206,8 +218,9 @@ def router_cmd(
 
         ray.init(ray_address)
         controller = get_controller()
-    config = RouterConfig(
+    config = router_config(
         model,
+        api_key,
         prefill_policy=prefill_policy,
         decode_policy=decode_policy,
         local_prefill_tokens=local_prefill_tokens,
@@ -223,16 +236,17 @@ def router_cmd(
         server.stop()
 
 
-def _demo_request(http_url: str, model: str) -> None:
+def _demo_request(http_url: str, model: str, api_key: str | None) -> None:
     import json
     import urllib.request
 
     prompt = "In one sentence, what does a language model do?"
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": 64}
+    headers = {"Content-Type": "application/json"}
+    if api_key is not None:
+        headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(
-        f"{http_url}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
+        f"{http_url}/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
     )
     with urllib.request.urlopen(request, timeout=120) as response:
         reply = json.load(response)

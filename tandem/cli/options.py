@@ -15,6 +15,13 @@ from tandem.config import parse_speculative
 
 console = Console()
 
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Key the public APIs require (Authorization: Bearer KEY; default: $TANDEM_API_KEY, "
+        "which keeps it out of the process list). None: open."
+    ),
+]
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]

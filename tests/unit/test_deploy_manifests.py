@@ -308,6 +308,18 @@ def test_router_and_head_reach_redis_ray_and_the_same_model(rendered: Rendered) 
     assert no_token["admin_token"] is None
 
 
+def test_both_routers_read_the_api_key_from_an_optional_secret(rendered: Rendered) -> None:
+    # The router reads $TANDEM_API_KEY itself (tandem/config.py): the key stays out of `ps`.
+    for template in (router_template(rendered), head_template(rendered)):
+        [key] = [e for e in container(template)["env"] if e["name"] == "TANDEM_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"] == {
+            "name": "tandem-api-key",
+            "key": "key",
+            "optional": True,
+        }
+        assert "--api-key" not in script(template)
+
+
 def test_head_starts_ray_then_the_driver(rendered: Rendered) -> None:
     # KubeRay runs our commands unchanged only with this annotation; the workers then have to
     # run the generated `ray start` themselves, or they never join.
