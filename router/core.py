@@ -45,6 +45,7 @@ from tandem.v1 import worker_pb2_grpc as wpb_grpc
 
 log = logging.getLogger(__name__)
 
+LOCAL_PREFILL_SUFFIX = "/local"  # the worker-side id of a request D prefills itself
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 
 
@@ -456,7 +457,13 @@ class Router:
         route.call.cancel()
         self.local_prefills += 1
         timings["prefill_worker"] = ""
-        route.call = self._decode_call(route.decode.worker, wreq, True, prep)
+        # A request id of its own: D learns of the first call's cancel on another thread, and
+        # may not have dropped that reservation yet (the same id was refused as a duplicate,
+        # INVALID_ARGUMENT for a server-side failure) or would cancel this one by its id.
+        local = wpb.WorkerRequest()
+        local.CopyFrom(wreq)
+        local.request_id = f"{wreq.request_id}{LOCAL_PREFILL_SUFFIX}"
+        route.call = self._decode_call(route.decode.worker, local, True, prep)
         await self._read_ticket(route.call, route.decode.worker)
         route.go_local = asyncio.Event()
 

@@ -13,6 +13,7 @@ class ErrorKind(enum.Enum):
     OVERLOADED = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")
     DEADLINE = (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout")
+    CANCELLED = (grpc.StatusCode.CANCELLED, 499, "client_closed_request")  # nobody reads it
     UNAUTHORIZED = (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")
     UNIMPLEMENTED = (grpc.StatusCode.UNIMPLEMENTED, 501, "not_implemented")
     INTERNAL = (grpc.StatusCode.INTERNAL, 500, "internal_error")

@@ -10,6 +10,7 @@ field (malformed JSON included), 404 for an unknown model, 429 with Retry-After 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 
 # Accepted and logged, with no effect here: OpenAI's storage, tracing and caching hints.
 NO_OP_FIELDS = (
@@ -306,7 +308,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     """/v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         if body.echo:
             raise invalid("echo is not supported", "echo")
         params = body.sampling_params(body.logprobs)
@@ -317,10 +319,12 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
         )
         prep = router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
         render = _CompletionRender(router, prep, body.logprobs is not None)
-        return await _respond(router, metrics, prep, render, body.stream, body.include_usage)
+        return await _respond(
+            router, metrics, prep, render, body.stream, body.include_usage, request
+        )
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest) -> Response:
+    async def chat(body: ChatRequest, request: Request) -> Response:
         n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(n_logprobs)
         prep = router.prepare(
@@ -333,7 +337,9 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
             ),
         )
         render = _ChatRender(router, prep, body.logprobs)
-        return await _respond(router, metrics, prep, render, body.stream, body.include_usage)
+        return await _respond(
+            router, metrics, prep, render, body.stream, body.include_usage, request
+        )
 
 
 async def _respond(
@@ -343,11 +349,14 @@ async def _respond(
     render: _Render,
     stream: bool,
     include_usage: bool,
+    request: Request,
 ) -> Response:
     deltas = metrics.observe(router.generate(prep))
     if not stream:
-        async for d in deltas:
-            render.add(d)
+        try:
+            await _run_while_connected(deltas, render, request)
+        finally:
+            await deltas.aclose()  # a client that left cancels the request on both workers
         return JSONResponse(render.full())
     # Pull the first delta before answering 200, so admission and routing errors get their
     # status codes rather than a broken stream.
@@ -367,6 +376,28 @@ async def _respond(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _run_while_connected(
+    deltas: AsyncIterator[Delta], render: _Render, request: Request
+) -> None:
+    """Collect the whole answer; a client that disconnects first ends the request (on every
+    worker, through the generator's close), as closing a stream does."""
+
+    async def collect() -> None:
+        async for d in deltas:
+            render.add(d)
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                raise RouterError(ErrorKind.CANCELLED, "the client disconnected")
+        task.result()  # its RouterError, if any
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -3,7 +3,8 @@
 The field lists come from the installed `openai` package, so a field OpenAI adds is classified
 here the day the package knows it. Also: a missing max_tokens means the rest of the context,
 message content as a list of text parts, `include_stop_str_in_output`, `max_completion_tokens`
-on completions. On the module's SmolLM2 cluster (`smol`, conftest).
+on completions, and a non-streaming client that leaves ends its request on both workers. On the
+module's SmolLM2 cluster (`smol`, conftest).
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, get_type_hints
 
+import httpx2 as httpx
 import pytest
-from cluster_helpers import http_post
+from cluster_helpers import http_post, wait_router_idle, wait_workers_idle, workers
 from conftest import SMOL
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
@@ -145,3 +147,13 @@ def test_stop_string_kept_on_request_and_max_completion_tokens(url: str, smol_ll
     both = {**body, "max_tokens": 4, "max_completion_tokens": 4}
     r = http_post(f"{url}/v1/completions", both)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_blocks(smol: LocalCluster, url: str) -> None:
+    every_worker = workers(smol)
+    wait_workers_idle(every_worker, 5.0)
+    body = {"model": SMOL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the request runs
+        httpx.post(f"{url}/v1/completions", json=body, timeout=2.0)
+    wait_workers_idle(every_worker, 10.0)
+    wait_router_idle(smol, 10.0)

@@ -60,6 +60,7 @@ class Cluster:
         self.pushed = asyncio.Event()  # a prefill worker "pushed the KV": D may stream
         self.seen: list[tuple[str, dict[str, int]]] = []
         self.local_calls = 0
+        self.decode_ids: list[str] = []  # the request id of each Decode call, in order
         self._servers: list[grpc.aio.Server] = []
 
     def note(self, worker_id: str) -> None:
@@ -116,6 +117,7 @@ class FakeDecode(wpb_grpc.DecodeWorkerServicer):
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeResponse]:
         self.cluster.note(self.worker_id)
+        self.cluster.decode_ids.append(request.request.request_id)
         if self.behaviour == "refuse":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         yield wpb.DecodeResponse(ticket=kvpb.KVTicket(request_key=request.request.request_id))
@@ -239,6 +241,10 @@ def test_prefill_failing_everywhere_goes_local_on_d(tiny_llama_path: Path) -> No
     c = run(tiny_llama_path, {"p1": "fail", "p2": "fail", "d1": "serve"}, scenario)
     assert c.seen[-1] == ("d1", {"d1": 1}), c.seen  # both P leases ended before D reopened
     assert (c.router.prefill_retries, c.router.local_prefills, c.local_calls) == (1, 1, 1)
+    # D's local prefill runs under an id of its own: the first call's cancel, which D learns
+    # of on another thread, can neither refuse it as a duplicate nor cancel it
+    first, local = c.decode_ids
+    assert local == first + "/local"
 
 
 def test_prefill_failure_under_fail_policy_is_unavailable(tiny_llama_path: Path) -> None:
