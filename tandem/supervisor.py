@@ -1,0 +1,111 @@
+"""Keeps a process up: a watcher thread that restarts it when it dies, with backoff.
+
+The embedded Redis (`tandem.registry`) runs under one: `redis-server` daemonizes, so it is not
+our child and nothing else would notice its death. Lifecycle:
+
+    start() -> WATCHING: every poll_s, is_alive()? -> no: restart()
+                 restart() raised -> wait backoff (doubling from backoff_s up to max_backoff_s),
+                                     then check and restart again
+                 restart() returned -> WATCHING, backoff reset
+            -> stop(): the thread ends after its current check or restart (never mid-restart)
+
+The thread sleeps on an Event between checks (no busy loop) and logs each death and each
+restart. It knows nothing of Redis: the owner supplies `is_alive` and `restart`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+
+class ProcessSupervisor:
+    """Restarts a process through `restart()` whenever `is_alive()` says it died.
+
+    `restarts` counts the successful restarts. `is_alive` and `restart` run on the watcher
+    thread only; an exception from either is logged and retried after the backoff.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        is_alive: Callable[[], bool],
+        restart: Callable[[], None],
+        *,
+        poll_s: float = 0.5,
+        backoff_s: float = 0.1,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        if not poll_s > 0:
+            raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        if not 0 < backoff_s <= max_backoff_s:
+            raise ValueError(
+                f"need 0 < backoff_s <= max_backoff_s, got {backoff_s} and {max_backoff_s}"
+            )
+        self.name = name
+        self.poll_s = poll_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.restarts = 0
+        self._is_alive = is_alive
+        self._restart = restart
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=self._watch, name=f"supervisor-{self.name}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the watcher; waits for a restart in flight (bounded by the owner's restart)."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _watch(self) -> None:
+        backoff = self.backoff_s
+        wait = self.poll_s
+        while not self._stop.wait(wait):
+            try:
+                if self._is_alive():
+                    wait = self.poll_s
+                    continue
+                log.warning("%s died; restarting it", self.name)
+                began = time.monotonic()
+                self._restart()
+            except Exception:
+                log.exception("%s: restart failed; next try in %.1f s", self.name, backoff)
+                wait, backoff = backoff, min(backoff * 2, self.max_backoff_s)
+                continue
+            self.restarts += 1
+            log.warning("%s restarted in %.2f s", self.name, time.monotonic() - began)
+            wait, backoff = self.poll_s, self.backoff_s
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs. A zombie does not: a daemonized server that is not our child
+    may linger as one under a parent that does not reap it."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, under another user
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return True  # no procfs (macOS), or it ended just now: the next check tells
+    state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]  # the field after "(comm)"
+    return state not in (b"Z", b"X")
