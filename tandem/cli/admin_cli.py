@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from tandem.cli.options import console
 
@@ -48,32 +47,23 @@ def scale(
     console.print(f"desired: {reply.prefill} prefill, {reply.decode} decode")
 
 
-def status(router: RouterOpt = "127.0.0.1:50051", token: TokenOpt = None) -> None:
-    """The workers of the cluster: role, endpoint, load, KV usage."""
-    from tandem.cluster.signals import worker_summary
+def status(
+    router: RouterOpt = "127.0.0.1:50051",
+    token: TokenOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="The rows as JSON on stdout.")] = False,
+) -> None:
+    """The workers of the cluster: role, endpoint, load, KV usage. A table on a terminal, plain
+    columns in a pipe, JSON with --json."""
+    from tandem.cli.status_view import print_rows, rows_json, worker_rows
     from tandem.v1 import admin_pb2
 
     stub, metadata = _admin(router, token)
     reply = _admin_call(stub.ListWorkers, admin_pb2.ListWorkersRequest(), metadata)
-    table = Table(
-        "worker", "role", "endpoint", "running", "waiting", "KV used", "p50 TTFT", "p50 TPOT",
-        "accept", "state", "beat",
-    )  # fmt: skip
-    for w in sorted(reply.workers, key=lambda w: (w.role, w.worker_id)):
-        used = 1 - w.kv_blocks_free / w.kv_blocks_total if w.kv_blocks_total else 0.0
-        state = "draining" if w.draining else "serving"
-        s = worker_summary(w.metrics_url)
-        table.add_row(
-            w.worker_id, w.role, w.endpoint, str(w.running), str(w.waiting), f"{used:.0%}",
-            _ms(s.get("ttft_p50")), _ms(s.get("tpot_p50")),
-            f"{s['acceptance']:.0%}" if s.get("acceptance") is not None else "-",
-            state, f"{w.heartbeat_age_s:.1f}s ago",
-        )  # fmt: skip
-    console.print(table)
-
-
-def _ms(seconds: float | None) -> str:
-    return f"{seconds * 1000:.0f} ms" if seconds is not None else "-"
+    rows = worker_rows(reply.workers)
+    if as_json:
+        typer.echo(rows_json(rows))
+    else:
+        print_rows(rows, console)
 
 
 def drain(

@@ -162,10 +162,15 @@ def _worker_flags(engine_options: dict[str, Any]) -> list[str]:
 
 
 def _serve_until_interrupted(cluster: Any, model: str, demo: bool, api_key: str | None) -> None:
-    """Start the cluster, print how to reach it, answer the demo request, serve until Ctrl-C;
-    stop it however that ends."""
-    address = cluster.start()
+    """Start the cluster, print how to reach it, answer the demo request, serve until Ctrl-C or
+    SIGTERM; stop it however that ends (the router, then every worker, which drains, then the
+    embedded Redis and the Ray this started)."""
+    from tandem.cluster.lifetime import interrupt_on_sigterm
+
+    interrupt_on_sigterm()  # a SIGTERM during startup still stops what has started
     try:
+        address = cluster.start()
+        interrupt_on_sigterm()  # again: ray.init installs Ray's own handler
         console.print(f"[green]ready[/green]  HTTP {address.http_url}  gRPC {address.grpc_target}")
         key = "" if api_key is None else "-H 'Authorization: Bearer <API key>' "
         console.print(
@@ -180,7 +185,7 @@ def _serve_until_interrupted(cluster: Any, model: str, demo: bool, api_key: str 
         console.print(f"  tandem status --router {address.grpc_target}")
         if demo:
             _demo_request(address.http_url, model, api_key)
-        console.print("[dim]serving; Ctrl-C stops[/dim]")
+        console.print("[dim]serving; Ctrl-C or SIGTERM stops[/dim]")
         assert cluster.router_server is not None
         cluster.router_server.wait()
     except KeyboardInterrupt:

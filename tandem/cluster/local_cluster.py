@@ -3,6 +3,8 @@ unless a URL is given), N prefill and M decode worker processes, and the router 
 
 Start: registry -> workers (each registers itself) -> wait until all are registered -> router.
 Stop: router -> SIGTERM to each worker (it drains and deregisters) -> SIGKILL after a grace.
+Each worker process gets SIGTERM from the kernel when this process dies, even by SIGKILL
+(`PR_SET_PDEATHSIG`, tandem/cluster/lifetime.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from router.router_server import RouterAddress, RouterServer
+from tandem.cluster.lifetime import die_with_parent
 from tandem.config import RouterConfig
 from tandem.registry import Registry
 
@@ -83,7 +86,7 @@ class LocalCluster:
             *self.worker_args,
             *extra,
         ]
-        worker = WorkerProcess(role, subprocess.Popen(cmd))
+        worker = WorkerProcess(role, subprocess.Popen(cmd, preexec_fn=die_with_parent()))
         self.workers.append(worker)
         return worker
 

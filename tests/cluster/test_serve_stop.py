@@ -1,0 +1,89 @@
+"""`tandem serve --no-ray` ends with everything it started: SIGTERM stops it as Ctrl-C does
+(router, worker processes, embedded redis-server), and its worker processes die with it even
+when it is SIGKILLed (`PR_SET_PDEATHSIG`). Sim workers on the tiny model: they start fast."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+START_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 20.0  # the workers drain (nothing in flight) and the redis-server shuts down
+
+
+@contextlib.contextmanager
+def serving(model: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """`tandem serve --no-ray --engine sim` on free ports, until it printed `ready`; killed (and
+    what it left) if the test leaves it running."""
+    cmd = [
+        sys.executable, "-m", "tandem.cli", "serve", "--no-ray", "--engine", "sim",
+        "--model", str(model), "--http-port", "0", "--grpc-port", "0", "--no-demo",
+        "--kv-memory-gib", "0.05",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    started = [launcher.pid]
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while "ready" not in log.read_text(errors="replace"):
+            assert launcher.poll() is None, f"serve exited:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
+            time.sleep(0.2)
+        started += [p.pid for p in started_processes(launcher.pid)]
+        yield launcher
+    finally:
+        for pid in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+
+
+def started_processes(launcher: int) -> list[psutil.Process]:
+    """The worker processes of the launcher and its embedded redis-server (daemonized, so not its
+    child: found by the socket the workers were given, which its process title names)."""
+    workers = psutil.Process(launcher).children()
+    assert len(workers) == 2, [w.cmdline() for w in workers]
+    url = workers[0].cmdline()[workers[0].cmdline().index("--redis") + 1]
+    socket = url.removeprefix("unix://")
+    redis = [
+        p
+        for p in psutil.process_iter(["name", "cmdline"])
+        if p.info["name"] == "redis-server"
+        and any(socket in arg for arg in p.info["cmdline"] or [])
+    ]
+    assert len(redis) == 1, socket
+    return workers + redis
+
+
+def alive_after(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_stops_the_launcher_its_workers_and_redis(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    with serving(tiny_llama_path, tmp_path / "serve.log") as launcher:
+        children = started_processes(launcher.pid)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(STOP_TIMEOUT_S) == 0, (tmp_path / "serve.log").read_text()
+        assert alive_after(children, 2.0) == []
+
+
+@pytest.mark.timeout(180)
+def test_workers_die_with_a_sigkilled_launcher(tiny_llama_path: Path, tmp_path: Path) -> None:
+    with serving(tiny_llama_path, tmp_path / "serve.log") as launcher:
+        workers = psutil.Process(launcher.pid).children()
+        launcher.kill()
+        launcher.wait()
+        assert alive_after(workers, STOP_TIMEOUT_S) == []
