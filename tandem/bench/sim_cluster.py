@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from tandem.cluster.lifetime import die_with_parent
 from tandem.cluster.local_cluster import stop_processes
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, WorkerConfig, child_environment
@@ -99,7 +100,8 @@ class SimCluster:
             ]  # fmt: skip
             if self.profile:
                 cmd += ["--profile", self.profile]
-            self.hosts.append(subprocess.Popen(cmd, env=child_environment(OMP_NUM_THREADS="1")))
+            env = child_environment(OMP_NUM_THREADS="1")
+            self.hosts.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
         self.wait_for_workers(timeout_s)
         http_port = self.http_port or free_port(self.host)
         grpc_port = self.grpc_port or free_port(self.host)
@@ -124,6 +126,7 @@ class SimCluster:
                 *self.router_args,
             ],
             env=child_environment(OMP_NUM_THREADS="1"),
+            preexec_fn=die_with_parent(),
         )
         self.http_url = f"http://{self.host}:{http_port}"
         self.grpc_target = f"{self.host}:{grpc_port}"
