@@ -7,6 +7,9 @@ our child and nothing else would notice its death. Lifecycle:
                  restart() raised -> wait backoff (doubling from backoff_s up to max_backoff_s),
                                      then check and restart again
                  restart() returned -> WATCHING, backoff reset
+                 with stable_s: a process that died within stable_s of its (re)start is
+                 restarted only after a crash backoff, doubling while it keeps doing so (a
+                 crash loop slows down, as Ray's and systemd's restarts do)
             -> stop(): the thread ends after its current check or restart (never mid-restart)
 
 The thread sleeps on an Event between checks (no busy loop) and logs each death and each
@@ -40,6 +43,7 @@ class ProcessSupervisor:
         poll_s: float = 0.5,
         backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
+        stable_s: float | None = None,
     ) -> None:
         if not poll_s > 0:
             raise ValueError(f"poll_s must be > 0, got {poll_s}")
@@ -51,6 +55,7 @@ class ProcessSupervisor:
         self.poll_s = poll_s
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.stable_s = stable_s  # None: every death is restarted at once
         self.restarts = 0
         self._is_alive = is_alive
         self._restart = restart
@@ -74,16 +79,29 @@ class ProcessSupervisor:
             thread.join()
 
     def _watch(self) -> None:
-        backoff = self.backoff_s
+        backoff = crash_backoff = self.backoff_s
         wait = self.poll_s
+        started = time.monotonic()
         while not self._stop.wait(wait):
             try:
                 if self._is_alive():
                     wait = self.poll_s
                     continue
-                log.warning("%s died; restarting it", self.name)
+                lived = time.monotonic() - started
+                if self.stable_s is not None and lived < self.stable_s:
+                    log.warning(
+                        "%s died %.1f s after its start; restarting it in %.1f s",
+                        self.name, lived, crash_backoff,
+                    )  # fmt: skip
+                    if self._stop.wait(crash_backoff):
+                        return
+                    crash_backoff = min(crash_backoff * 2, self.max_backoff_s)
+                else:
+                    log.warning("%s died; restarting it", self.name)
+                    crash_backoff = self.backoff_s
                 began = time.monotonic()
                 self._restart()
+                started = time.monotonic()
             except Exception:
                 log.exception("%s: restart failed; next try in %.1f s", self.name, backoff)
                 wait, backoff = backoff, min(backoff * 2, self.max_backoff_s)

@@ -86,7 +86,7 @@ def serve(
         worker_args = _worker_flags(engine_options) + spec_flags
         cluster = LocalCluster(
             model, prefill, decode, *listen, worker_args=worker_args, router=router,
-            admin_token=admin_token,
+            admin_token=admin_token, restart_workers=True,
         )  # fmt: skip
     where = "Ray" if ray else "local processes"
     console.print(f"starting {prefill} prefill + {decode} decode workers of {model} on {where}")

@@ -4,7 +4,9 @@ unless a URL is given), N prefill and M decode worker processes, and the router 
 Start: registry -> workers (each registers itself) -> wait until all are registered -> router.
 Stop: router -> SIGTERM to each worker (it drains and deregisters) -> SIGKILL after a grace.
 Each worker process gets SIGTERM from the kernel when this process dies, even by SIGKILL
-(`PR_SET_PDEATHSIG`, tandem/cluster/lifetime.py).
+(`PR_SET_PDEATHSIG`, tandem/cluster/lifetime.py). With `restart_workers` (`tandem serve
+--no-ray`), a worker process that dies is started again, as Ray restarts its actors: after a
+crash backoff (1 s doubling to 30 s) when it died within 30 s of its start.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ from router.router_server import RouterAddress, RouterServer
 from tandem.cluster.lifetime import die_with_parent
 from tandem.config import RouterConfig
 from tandem.registry import Registry
+from tandem.supervisor import ProcessSupervisor
+
+RESTART_POLL_S = 1.0  # how often a supervised worker process is checked
+RESTART_BACKOFF_S = (1.0, 30.0)  # a crash-looping worker's restart delay: first, at most
+STABLE_S = 30.0  # a worker that lived this long restarts at once when it dies
 
 
 @dataclass
@@ -41,10 +48,12 @@ class LocalCluster:
     router: RouterConfig | None = None
     admin_token: str | None = None
     heartbeat_ttl_s: float = 3.0
+    restart_workers: bool = False  # start a dead worker process again (`tandem serve --no-ray`)
 
     def __post_init__(self) -> None:
         self.registry: Registry | None = None
         self.workers: list[WorkerProcess] = []
+        self.supervisors: list[ProcessSupervisor] = []
         self.router_server: RouterServer | None = None
         self.address: RouterAddress | None = None
 
@@ -64,9 +73,18 @@ class LocalCluster:
             self.admin_token,
         )
         self.address = self.router_server.start()
+        if self.restart_workers:
+            for worker in self.workers:
+                self._supervise(worker)
         return self.address
 
     def add_worker(self, role: str) -> WorkerProcess:
+        worker = WorkerProcess(role, self._spawn(role))
+        self.workers.append(worker)
+        return worker
+
+    def _spawn(self, role: str) -> subprocess.Popen[bytes]:
+        """A `tandem worker ROLE` process that dies with this one."""
         assert self.registry is not None
         extra = self.prefill_args if role == "prefill" else self.decode_args
         cmd = [
@@ -86,9 +104,24 @@ class LocalCluster:
             *self.worker_args,
             *extra,
         ]
-        worker = WorkerProcess(role, subprocess.Popen(cmd, preexec_fn=die_with_parent()))
-        self.workers.append(worker)
-        return worker
+        return subprocess.Popen(cmd, preexec_fn=die_with_parent())
+
+    def _supervise(self, worker: WorkerProcess) -> None:
+        def restart() -> None:
+            worker.process = self._spawn(worker.role)
+
+        first, most = RESTART_BACKOFF_S
+        supervisor = ProcessSupervisor(
+            f"{worker.role} worker process",
+            lambda: worker.process.poll() is None,
+            restart,
+            poll_s=RESTART_POLL_S,
+            backoff_s=first,
+            max_backoff_s=most,
+            stable_s=STABLE_S,
+        )
+        supervisor.start()
+        self.supervisors.append(supervisor)
 
     def wait_for_workers(self, num_prefill: int, num_decode: int, timeout_s: float) -> None:
         assert self.registry is not None
@@ -107,6 +140,8 @@ class LocalCluster:
         raise TimeoutError(f"workers did not register within {timeout_s:.0f} s")
 
     def stop(self, grace_s: float = 15.0) -> None:
+        for supervisor in self.supervisors:  # first: the workers stopped below stay stopped
+            supervisor.stop()
         if self.router_server is not None:
             self.router_server.stop()
         stop_processes([w.process for w in self.workers], grace_s)

@@ -1,11 +1,13 @@
 """`tandem serve --no-ray` ends with everything it started: SIGTERM stops it as Ctrl-C does
-(router, worker processes, embedded redis-server), and its worker processes die with it even
-when it is SIGKILLed (`PR_SET_PDEATHSIG`). Sim workers on the tiny model: they start fast."""
+(router, worker processes, embedded redis-server), its worker processes die with it even when
+it is SIGKILLed (`PR_SET_PDEATHSIG`), and a worker process that dies is started again. Sim
+workers on the tiny model: they start fast."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,10 +15,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2 as httpx
 import psutil
 import pytest
 
 START_TIMEOUT_S = 90.0
+RESTART_TIMEOUT_S = 60.0  # a dead worker's process is noticed in 1 s, then starts and registers
 STOP_TIMEOUT_S = 20.0  # the workers drain (nothing in flight) and the redis-server shuts down
 
 
@@ -87,3 +91,28 @@ def test_workers_die_with_a_sigkilled_launcher(tiny_llama_path: Path, tmp_path: 
         launcher.kill()
         launcher.wait()
         assert alive_after(workers, STOP_TIMEOUT_S) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_worker_is_started_again(tiny_llama_path: Path, tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with serving(tiny_llama_path, log) as launcher:
+        url = re.search(r"HTTP (http://\S+)", log.read_text()).group(1)  # type: ignore[union-attr]
+        (victim, *_) = psutil.Process(launcher.pid).children()
+        victim.kill()
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:  # a new process in its place, registered and serving
+            pids = {p.pid for p in psutil.Process(launcher.pid).children()}
+            if victim.pid not in pids and len(pids) == 2 and answers(url):
+                break
+            assert time.monotonic() < deadline, f"no worker came back:\n{log.read_text()}"
+            time.sleep(0.5)
+        assert "restarted" in log.read_text()
+
+
+def answers(url: str) -> bool:
+    body = {"prompt": "Hello", "max_tokens": 2}
+    try:
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=10.0).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -68,3 +69,25 @@ def test_process_alive_counts_a_zombie_as_dead() -> None:
     assert not process_alive(child.pid)
     assert child.wait(10) == 0
     assert not process_alive(child.pid)  # reaped: gone
+
+
+def test_a_process_that_keeps_dying_at_once_is_restarted_ever_more_slowly() -> None:
+    starts: list[float] = []
+    done = threading.Event()
+
+    def restart() -> None:  # the process "dies" again as soon as it starts
+        starts.append(time.monotonic())
+        if len(starts) == 4:
+            done.set()
+
+    supervisor = ProcessSupervisor(
+        "crash-loop", lambda: done.is_set(), restart, poll_s=0.01, backoff_s=0.05,
+        max_backoff_s=1.0, stable_s=10.0,
+    )  # fmt: skip
+    supervisor.start()
+    try:
+        assert done.wait(10)
+    finally:
+        supervisor.stop()
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert gaps[0] >= 0.1 and gaps[1] >= 0.2, gaps  # 0.05 doubled on each quick death
