@@ -1,14 +1,17 @@
 """The router's Prometheus metrics: requests by outcome, TTFT/TPOT/E2E histograms, in-flight and
-queued requests, local prefills and prefill retries."""
+queued requests, local prefills and prefill retries; also under vLLM's names (router.vllm_metrics).
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.errors import RouterError
+from router.vllm_metrics import VllmMetrics
 
 if TYPE_CHECKING:
     from router.core import Router
@@ -44,17 +47,30 @@ class RouterMetrics:
         local.set_function(lambda: router.local_prefills)
         retries = Gauge("tandem_router_prefill_retries", "Prefills retried", registry=r)
         retries.set_function(lambda: router.prefill_retries)
+        self.vllm = VllmMetrics(
+            r,
+            router.model_name,
+            running=lambda: router.admission.inflight,
+            waiting=lambda: router.admission.queued,
+        )
 
     async def observe(self, deltas: AsyncIterator[Delta]) -> AsyncGenerator[Delta, None]:
         """Pass the deltas through, recording the outcome and latencies of the request."""
+        last_tokens: float | None = None  # when the last message with tokens came
         try:
             async for d in deltas:
+                if d.token_ids:
+                    now = time.monotonic()
+                    if last_tokens is not None:
+                        self.vllm.token_gap(now - last_tokens)
+                    last_tokens = now
                 if d.finish_reason is not None and d.timings:
                     self.requests.labels(d.finish_reason).inc()
                     self.ttft.observe(d.timings["ttft_s"])
                     self.e2e.observe(d.timings["e2e_s"])
                     if d.completion_tokens > 1:
                         self.tpot.observe(d.timings["tpot_s"])
+                    self.vllm.finished(d, d.timings)
                 yield d
         except RouterError as e:
             self.requests.labels(e.kind.name.lower()).inc()

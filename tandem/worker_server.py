@@ -27,7 +27,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from kv_transfer.transfer_metrics import TransferMetrics
 from tandem.config import GRPC_OPTIONS, WorkerConfig
 from tandem.engine.engine_core import EngineCore
-from tandem.engine.request import Request
+from tandem.engine.request import Request, RequestStatus
 from tandem.registry import Registry, WorkerRecord
 from tandem.v1 import worker_pb2 as wpb
 
@@ -63,9 +63,10 @@ def worker_stats(role: str, model: str, worker: Worker) -> wpb.WorkerStats:
     )
 
 
-def worker_metrics(role: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
+def worker_metrics(role: str, model: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
     """Scrape-time metrics of the worker: queue, batch, KV blocks and usage, prefix-cache hits,
-    speculative decoding acceptance, KV transfer bytes/seconds/failures."""
+    speculative decoding acceptance, KV transfer bytes/seconds/failures; and the engine's series
+    under vLLM's names (`vllm_engine_metrics`)."""
 
     def gauge(name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(name, doc, labels=["role"])
@@ -128,8 +129,38 @@ def worker_metrics(role: str, worker: Worker) -> Callable[[], Iterable[Metric]]:
         for cause, n in sorted(transfers.failures.items(), key=lambda kv: kv[0].value):
             failures.add_metric([role, cause.value], n)
         yield failures
+        yield from vllm_engine_metrics(role, model, engine)
 
     return collect
+
+
+def vllm_engine_metrics(role: str, model: str, engine: EngineCore) -> Iterable[Metric]:
+    """The engine's queue, batch, KV usage, prefix-cache and preemption series under vLLM's names
+    and labels (`model_name`, and `role`), so dashboards built for vLLM read the workers. A request
+    parked for its remote KV waits, as in vLLM; one held for hand-over is done here."""
+    sched, kv = engine.scheduler, engine.kv_cache
+    parked_waiting = sum(
+        1 for r in sched.parked.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+    )
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    series: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, float]] = [
+        (gauge, "vllm:num_requests_running", "Number of requests in model execution batches.",
+         len(sched.running)),
+        (gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+         len(sched.waiting) + parked_waiting),
+        (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+         kv.usage),
+        (counter, "vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+         sched.num_preemptions),
+        (counter, "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.",
+         kv.stats.prefix_queries),
+        (counter, "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.",
+         kv.stats.prefix_hits),
+    ]  # fmt: skip
+    for family, name, doc, value in series:
+        m = family(name, doc, labels=["model_name", "role"])
+        m.add_metric([model, role], float(value))
+        yield m
 
 
 class LatencyHistograms:
@@ -187,7 +218,7 @@ class WorkerServer:
         self.ttl_s = ttl_s
         self.kv_endpoint = kv_endpoint
         self.metrics = CollectorRegistry()
-        self.metrics.register(_Collector(worker_metrics(role, worker)))
+        self.metrics.register(_Collector(worker_metrics(role, model, worker)))
         worker.on_finished = LatencyHistograms(self.metrics).observe
         self.service_names = service_names
         self.draining = False  # published; the worker refuses new work a grace period later

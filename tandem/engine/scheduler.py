@@ -91,6 +91,7 @@ class Scheduler:
         self.parked: dict[str, Request] = {}  # waiting for remote KV, or held for hand-over
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
+        self.num_preemptions = 0  # since start, over all requests
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -194,6 +195,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # -- update -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +203,18 @@ async def failure(cluster: Cluster, ids: list[int], **kwargs: Any) -> RouterErro
     return e.value
 
 
+async def abort_during_prefill(
+    c: Cluster, stream: AsyncGenerator[Delta, None], request_id: str
+) -> None:
+    """Abort the request of `stream` once D is open and P reached; its only message says so."""
+    first = asyncio.ensure_future(anext(stream))
+    while len(c.seen) < 2:
+        await asyncio.sleep(0.01)
+    assert c.router.abort(request_id)
+    assert (await first).finish_reason == "abort"
+    await stream.aclose()
+
+
 def test_served_request_counts_p_before_d_is_picked(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
         deltas = await generate(c, LONG)
@@ -284,13 +296,7 @@ def test_decode_worker_dying_mid_stream_is_unavailable(tiny_llama_path: Path) ->
 def test_abort_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
         prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
-        stream = c.router.generate(prep)
-        first = asyncio.ensure_future(anext(stream))
-        while len(c.seen) < 2:  # D opened, P reached
-            await asyncio.sleep(0.01)
-        assert c.router.abort(prep.request_id)
-        assert (await first).finish_reason == "abort"
-        await stream.aclose()
+        await abort_during_prefill(c, c.router.generate(prep), prep.request_id)
 
     run(tiny_llama_path, {"p1": "hang", "d1": "serve"}, scenario)
 
