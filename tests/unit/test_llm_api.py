@@ -320,6 +320,9 @@ def test_cli_serve_passes_the_speculative_switches_to_the_workers(
             def start(self) -> None:
                 raise _Launched
 
+            def stop(self) -> None:  # a start that failed still stops what it began
+                launched[f"{kind} stopped"] = True
+
         return Recording
 
     monkeypatch.setattr(tandem.cluster.ray_cluster, "RayCluster", recorder("ray"))
@@ -328,6 +331,7 @@ def test_cli_serve_passes_the_speculative_switches_to_the_workers(
     args = ["serve", "--spec", "ngram", "--no-spec-cost-aware", "--no-demo"]
     assert isinstance(runner.invoke(app, args).exception, _Launched)
     assert launched["ray"]["decode_engine"]["speculative"]["cost_aware"] is False
+    assert launched["ray stopped"]
     assert isinstance(runner.invoke(app, [*args, "--no-ray"]).exception, _Launched)
     flags = launched["local"]["worker_args"]
     assert flags[flags.index("--spec") + 1] == "ngram" and "--no-spec-cost-aware" in flags
