@@ -11,7 +11,7 @@ from decode_worker.decode_core import DecodeWorker
 from kv_transfer import TransferError
 from kv_transfer.state import request_status
 from tandem.config import WorkerConfig
-from tandem.messages import logprobs_to_proto, sampling_from_proto
+from tandem.messages import logprobs_to_proto, worker_sampling
 from tandem.v1 import kv_transfer_pb2 as kvpb
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
@@ -34,7 +34,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         ticket_future, stream = self.worker.reserve(
             r.request_id,
             list(r.prompt_token_ids),
-            sampling_from_proto(r.sampling),
+            worker_sampling(r),
             local=request.local_prefill,
             speculative=not r.HasField("speculative") or r.speculative,
         )

@@ -8,7 +8,7 @@ from kv_transfer import KVTicket, TransferError
 from kv_transfer.state import request_status
 from prefill_worker.prefill_core import PrefillWorker
 from tandem.config import WorkerConfig
-from tandem.messages import sampling_from_proto
+from tandem.messages import worker_sampling
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
 from tandem.worker_server import WorkerServer, start_worker_server, worker_stats
@@ -27,7 +27,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         r = request.request
         ticket = KVTicket.from_proto(request.ticket)
         future = self.worker.submit(
-            r.request_id, list(r.prompt_token_ids), sampling_from_proto(r.sampling), ticket
+            r.request_id, list(r.prompt_token_ids), worker_sampling(r), ticket
         )
 
         def on_rpc_done() -> None:  # the router cancelled, or the deadline passed

@@ -10,6 +10,11 @@ Decode(D)    D reserves blocks and answers with the KV ticket
 Prefill(P)   in the background: P computes the prompt and pushes its KV to D. A P that fails
              is retried once on another P; then D prefills locally (`on_prefill_failure`)
 relay        D's token chunks -> incremental detokenizer (stop strings) -> the client
+migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final chunk): D
+             is marked down and the request resumes on another D with the tokens already
+             sent appended to its prompt (`_resumed`), prefilled as any request; the relay
+             carries on, so the client sees one stream. At most MAX_MIGRATIONS times;
+             with no decode worker left                            UNAVAILABLE
 end          usage and timings; a stop string, an Abort, a client that leaves, or the
              deadline cancels both calls, and the workers free the request's blocks
 """
@@ -17,13 +22,14 @@ end          usage and timings; a stop string, an Abort, a client that leaves, o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -47,6 +53,16 @@ log = logging.getLogger(__name__)
 
 LOCAL_PREFILL_SUFFIX = "/local"  # the worker-side id of a request D prefills itself
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
+MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this often
+MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
+
+
+class DecodeLost(Exception):
+    """The decode worker serving a request died after its ticket: the request may resume."""
+
+    def __init__(self, worker: WorkerRecord, reason: str) -> None:
+        super().__init__(f"decode worker {worker.worker_id} failed: {reason}")
+        self.worker = worker
 
 
 @dataclass(frozen=True)
@@ -118,6 +134,7 @@ class Router:
         self.inflight: Counter[str] = Counter()
         self.local_prefills = 0
         self.prefill_retries = 0
+        self.migrations = 0
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: dict[str, asyncio.Event] = {}
         self._ids = itertools.count()
@@ -284,21 +301,43 @@ class Router:
         ]
 
     async def _dispatch(self, prep: Prepared, abort: asyncio.Event) -> AsyncIterator[Delta]:
-        """Pick the workers and open Decode, prefill in the background, relay D's tokens; the
-        route ends with the request however it ends."""
-        dispatched = time.monotonic()
+        """Relay the request from its route; if its decode worker dies mid-stream, mark it down
+        and resume the request on another one, through the same relay."""
+        timings: dict[str, Any] = {"queue_s": time.monotonic() - prep.arrival}
+        relay = Relay(self.tokenizer, prep.prompt_token_ids, prep.params, prep.arrival, timings)
+        lost: set[str] = set()  # the decode workers this request has lost
+        route_prep = prep
+        while True:
+            try:
+                async with contextlib.aclosing(
+                    self._relay_route(route_prep, abort, relay, lost)
+                ) as deltas:
+                    async for delta in deltas:
+                        yield delta
+                return
+            except DecodeLost as e:
+                log.warning("request %s: %s", prep.request_id, e)
+                self.snapshot.mark_down(e.worker.worker_id, MARK_DOWN_S)
+                lost.add(e.worker.worker_id)
+                if len(lost) > MAX_MIGRATIONS:
+                    raise RouterError(ErrorKind.UNAVAILABLE, str(e)) from None
+            self.migrations += 1
+            route_prep = _resumed(prep, relay.output_token_ids, len(lost))
+
+    async def _relay_route(
+        self, prep: Prepared, abort: asyncio.Event, relay: Relay, lost: set[str]
+    ) -> AsyncGenerator[Delta, None]:
+        """Pick the workers (none in `lost`) and open Decode, prefill in the background, relay
+        D's tokens; the route ends with the request however it ends. DecodeLost: D died."""
         wreq = _worker_request(prep)
-        with await self._open_route(prep, wreq) as route:
-            timings: dict[str, Any] = {
-                "queue_s": dispatched - prep.arrival,
-                "decode_worker": route.decode.worker.worker_id,
-                "prefill_worker": route.prefill.worker.worker_id if route.prefill else "",
-            }
+        with await self._open_route(prep, wreq, lost) as route:
+            timings = relay.timings
+            timings["decode_worker"] = route.decode.worker.worker_id
+            timings["prefill_worker"] = route.prefill.worker.worker_id if route.prefill else ""
             if route.prefill is not None:
                 route.start_prefill(
                     self._prefill(wreq, route.ticket, route.prefill, prep, timings, route.go_local)
                 )
-            relay = Relay(self.tokenizer, prep.prompt_token_ids, prep.params, prep.arrival, timings)
             try:
                 while True:
                     delta = await self._next_delta(route, wreq, prep, abort, relay)
@@ -306,14 +345,17 @@ class Router:
                     if delta.finish_reason is not None:
                         return
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    raise DecodeLost(route.decode.worker, e.details() or "UNAVAILABLE") from None
                 raise self._worker_error(e, route.decode.worker) from None
 
     # -- pick ---------------------------------------------------------------------------------
 
-    async def _open_route(self, prep: Prepared, wreq: wpb.WorkerRequest) -> Route:
+    async def _open_route(self, prep: Prepared, wreq: wpb.WorkerRequest, lost: set[str]) -> Route:
         """Pick P unless D prefills the prompt itself (a short prompt, or no prefill worker),
-        then open Decode on a picked D. P counts from its pick, before D is picked."""
-        decodes = self._live("decode")
+        then open Decode on a picked D (not one in `lost`). P counts from its pick, before D
+        is picked."""
+        decodes = [w for w in self._live("decode") if w.worker_id not in lost]
         if not decodes:
             raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
         ctx = PickContext(prep.prompt_token_ids, self.inflight)
@@ -444,7 +486,7 @@ class Router:
                 break
             await self._prefill_on_decode(route, wreq, prep, relay.timings)
         if msg is grpc.aio.EOF:
-            raise RouterError(ErrorKind.UNAVAILABLE, "the decode worker ended the stream")
+            raise DecodeLost(route.decode.worker, "the stream ended without a final chunk")
         assert isinstance(msg, wpb.DecodeResponse)
         return relay.delta(msg.tokens)
 
@@ -498,10 +540,30 @@ def _worker_request(prep: Prepared) -> wpb.WorkerRequest:
         prompt_token_ids=prep.prompt_token_ids,
         sampling=sampling_to_proto(prep.params),
         priority=prep.priority,
+        output_offset=prep.params.output_offset,
     )
     if prep.speculative is not None:
         wreq.speculative = prep.speculative
     return wreq
+
+
+def _resumed(prep: Prepared, sent: list[int], migration: int) -> Prepared:
+    """The request to resume after `sent` tokens reached the client: they end its prompt, its
+    token budgets shrink by them, and seeded sampling continues at their output position."""
+    params = prep.params
+    k = len(sent)
+    resumed = replace(
+        params,
+        max_tokens=None if params.max_tokens is None else params.max_tokens - k,
+        min_tokens=max(params.min_tokens - k, 0),
+        output_offset=params.output_offset + k,
+    )
+    return replace(
+        prep,
+        request_id=f"{prep.request_id}{MIGRATED_SUFFIX}{migration}",
+        prompt_token_ids=prep.prompt_token_ids + sent,
+        params=resumed,
+    )
 
 
 def _time_left(prep: Prepared) -> float:

@@ -52,7 +52,7 @@ class Relay:
         self.prompt_tokens = len(prompt_token_ids)
         self.arrival = arrival  # monotonic
         self.timings = timings
-        self.completion = 0
+        self.output_token_ids: list[int] = []  # all sent so far: a migrated request resumes after
         self.first_token_time: float | None = None
 
     def delta(self, chunk: wpb.TokenChunk) -> Delta:
@@ -62,7 +62,7 @@ class Relay:
             self.timings["transfer_s"] = chunk.transfer_s
         tokens = list(chunk.token_ids)
         self.detok.add(tokens)
-        self.completion += len(tokens)
+        self.output_token_ids += tokens
         if self.first_token_time is None and tokens:
             self.first_token_time = time.monotonic()
         reason, stop_reason = self._finish(chunk.finish_reason or None, tokens)
@@ -93,7 +93,7 @@ class Relay:
         """The last message: usage, and the timings completed with TTFT, end to end and TPOT."""
         now = time.monotonic()
         ttft = (self.first_token_time or now) - self.arrival
-        completion = self.completion
+        completion = len(self.output_token_ids)
         self.timings.update(
             ttft_s=ttft,
             e2e_s=now - self.arrival,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
-from tandem.v1 import api_pb2
+from tandem.v1 import api_pb2, worker_pb2
 
 _FLOAT_FIELDS = (
     "temperature",
@@ -31,6 +33,11 @@ def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
         min_tokens=msg.min_tokens,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def worker_sampling(request: worker_pb2.WorkerRequest) -> SamplingParams:
+    """A worker request's sampling parameters, with the output offset of a resumed request."""
+    return replace(sampling_from_proto(request.sampling), output_offset=request.output_offset)
 
 
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:

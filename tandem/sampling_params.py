@@ -35,6 +35,10 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per token; 0 = only the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text keeps the stop string it ends on
+    # Output tokens generated before this request was resumed elsewhere (request migration):
+    # the last `output_offset` prompt tokens. Seeded draws continue at that output position
+    # and the presence/frequency penalties count them as output.
+    output_offset: int = 0
 
     def resolved_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """These parameters with a number for max_tokens: None becomes the room the context
@@ -93,6 +97,8 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.output_offset < 0:
+            raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

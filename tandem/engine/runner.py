@@ -139,7 +139,8 @@ class ModelRunner:
         for s in inp.sampled:
             r = s.request
             if r.generator is not None and r.params.seed is not None:
-                r.generator.manual_seed(seed_for_position(r.params.seed, len(r.output_token_ids)))
+                position = r.params.output_offset + len(r.output_token_ids)
+                r.generator.manual_seed(seed_for_position(r.params.seed, position))
             if s.draft_token_ids:
                 verify.append((s, row))
             else:

@@ -90,9 +90,12 @@ class SamplingBatch:
         output_counts = prompt_mask = None
         if any(repetition) or any(openai):
             # Rows without penalties contribute no history: their neutral penalties ignore it.
+            # A resumed request's output began `output_offset` tokens before its prompt's end.
             outputs = [
-                ids if r or o else ()
-                for ids, r, o in zip(output_ids, repetition, openai, strict=True)
+                (*prompt[len(prompt) - p.output_offset :], *ids) if r or o else ()
+                for p, prompt, ids, r, o in zip(
+                    params, prompt_ids, output_ids, repetition, openai, strict=True
+                )
             ]
             output_counts = _token_counts(outputs, vocab_size, device).float()
         if any(repetition):

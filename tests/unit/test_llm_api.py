@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -206,6 +207,23 @@ def test_seeded_sampling_is_reproducible(llm: LLM) -> None:
     assert batch[2].token_ids == a.token_ids
     (c,) = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=9))
     assert c.token_ids != a.token_ids
+
+
+def test_resumed_seeded_request_continues_its_draws(llm: LLM) -> None:
+    """A request resumed after k tokens (request migration: they end its prompt, output_offset
+    k) draws what the whole request drew from there, penalties over its output included."""
+    seeded = SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.95, seed=1234, presence_penalty=0.5
+    )
+    (whole,) = llm.generate(PROMPT, seeded)
+    prompt = llm.encode(PROMPT)
+    k = 5
+    resumed = replace(seeded, max_tokens=12 - k, output_offset=k)
+    (rest,) = llm.generate([*prompt, *whole.token_ids[:k]], resumed)
+    assert [*whole.token_ids[:k], *rest.token_ids] == whole.token_ids
+    # without the offset the draws restart at position 0: another continuation
+    (restarted,) = llm.generate([*prompt, *whole.token_ids[:k]], replace(resumed, output_offset=0))
+    assert restarted.token_ids != rest.token_ids
 
 
 # --- the CLI ----------------------------------------------------------------------------

@@ -3,8 +3,8 @@ servers that answer Decode and Prefill as a test tells them): a request counts o
 from its pick to its end, the counts the policies see while a request is being placed are the
 ones they always saw (P counted before D is picked; the first P still counted while another
 retries its prefill), and every count returns to zero however the request ends: served, a
-prefill that fails once or everywhere, a decode worker that refuses or dies, an abort, a client
-that leaves, the deadline.
+prefill that fails once or everywhere, a decode worker that refuses, or dies (the request
+migrates to another one), an abort, a client that leaves, the deadline.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Cluster:
         self.pushed = asyncio.Event()  # a prefill worker "pushed the KV": D may stream
         self.seen: list[tuple[str, dict[str, int]]] = []
         self.local_calls = 0
-        self.decode_ids: list[str] = []  # the request id of each Decode call, in order
+        self.decode_requests: list[wpb.WorkerRequest] = []  # each Decode call's, in order
         self._servers: list[grpc.aio.Server] = []
 
     def note(self, worker_id: str) -> None:
@@ -107,8 +107,9 @@ class Cluster:
 
 class FakeDecode(wpb_grpc.DecodeWorkerServicer):
     """`serve`: the ticket, then (once the KV is pushed, or at once for a local prefill)
-    CHUNKS chunks of one token; `refuse`: UNAVAILABLE before the ticket; `die`: UNAVAILABLE
-    after the ticket and one chunk; `endless`: a chunk every 10 ms, never the last."""
+    CHUNKS chunks of one token (fewer if max_tokens is lower); `refuse`: UNAVAILABLE before
+    the ticket; `die`: UNAVAILABLE after the ticket and one chunk; `endless`: a chunk every
+    10 ms, never the last."""
 
     def __init__(self, cluster: Cluster, worker_id: str, behaviour: str) -> None:
         self.cluster, self.worker_id, self.behaviour = cluster, worker_id, behaviour
@@ -117,7 +118,7 @@ class FakeDecode(wpb_grpc.DecodeWorkerServicer):
         self, request: wpb.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[wpb.DecodeResponse]:
         self.cluster.note(self.worker_id)
-        self.cluster.decode_ids.append(request.request.request_id)
+        self.cluster.decode_requests.append(request.request)
         if self.behaviour == "refuse":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
         yield wpb.DecodeResponse(ticket=kvpb.KVTicket(request_key=request.request.request_id))
@@ -125,8 +126,9 @@ class FakeDecode(wpb_grpc.DecodeWorkerServicer):
             self.cluster.local_calls += 1
         else:
             await self.cluster.pushed.wait()
-        for i in range(CHUNKS if self.behaviour == "serve" else 1 << 30):
-            last = self.behaviour == "serve" and i == CHUNKS - 1
+        chunks = min(CHUNKS, request.request.sampling.max_tokens)
+        for i in range(chunks if self.behaviour == "serve" else 1 << 30):
+            last = self.behaviour == "serve" and i == chunks - 1
             yield wpb.DecodeResponse(
                 tokens=wpb.TokenChunk(token_ids=[97], finish_reason="length" if last else "")
             )
@@ -255,7 +257,7 @@ def test_prefill_failing_everywhere_goes_local_on_d(tiny_llama_path: Path) -> No
     assert (c.router.prefill_retries, c.router.local_prefills, c.local_calls) == (1, 1, 1)
     # D's local prefill runs under an id of its own: the first call's cancel, which D learns
     # of on another thread, can neither refuse it as a duplicate nor cancel it
-    first, local = c.decode_ids
+    first, local = [r.request_id for r in c.decode_requests]
     assert local == first + "/local"
 
 
@@ -286,7 +288,46 @@ def test_no_decode_worker_opens_releases_the_picked_p(tiny_llama_path: Path) -> 
     assert c.seen == [("d1", {"p1": 1, "d1": 1})]
 
 
-def test_decode_worker_dying_mid_stream_is_unavailable(tiny_llama_path: Path) -> None:
+def test_request_migrates_when_its_decode_worker_dies_mid_stream(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        prep = c.router.prepare(
+            SamplingParams(max_tokens=CHUNKS, min_tokens=2, seed=7), prompt_token_ids=LONG
+        )
+        deltas = [d async for d in c.router.generate(prep)]
+        assert [t for d in deltas for t in d.token_ids] == [97] * CHUNKS
+        final = deltas[-1]
+        assert final.finish_reason == "length"
+        assert (final.prompt_tokens, final.completion_tokens) == (len(LONG), CHUNKS)
+        assert final.timings is not None and final.timings["decode_worker"] == "d2"
+
+    c = run(tiny_llama_path, {"p1": "push", "d1": "die", "d2": "serve"}, scenario)
+    first, resumed = c.decode_requests
+    # d2 resumes after the one token d1 sent: it ends the prompt, and the budgets shrink by it
+    assert list(resumed.prompt_token_ids) == [*LONG, 97]
+    assert (resumed.sampling.max_tokens, resumed.sampling.min_tokens) == (CHUNKS - 1, 1)
+    assert (resumed.output_offset, resumed.sampling.seed) == (1, 7)
+    assert resumed.request_id == first.request_id + "/m1"
+    assert c.snapshot.marked == ["d1"] and c.router.migrations == 1
+    # d1 and the first P ended before the resumed request was placed
+    assert c.seen[2] == ("d2", {"p1": 1, "d2": 1}), c.seen
+
+
+def test_migrations_are_bounded(tiny_llama_path: Path) -> None:
+    async def scenario(c: Cluster) -> None:
+        e = await failure(c, SHORT)
+        assert e.kind == ErrorKind.UNAVAILABLE and "the worker died" in e.message
+
+    workers = {"d1": "die", "d2": "die", "d3": "die", "d4": "serve"}
+    c = run(tiny_llama_path, workers, scenario)
+    assert sorted(c.snapshot.marked) == ["d1", "d2", "d3"] and c.router.migrations == 2
+    assert [list(r.prompt_token_ids) for r in c.decode_requests] == [
+        SHORT,
+        [*SHORT, 97],
+        [*SHORT, 97, 97],
+    ]
+
+
+def test_decode_worker_dying_with_no_other_left_is_unavailable(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
         assert (await failure(c, LONG)).kind == ErrorKind.UNAVAILABLE
 

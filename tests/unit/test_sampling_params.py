@@ -72,6 +72,7 @@ def test_boundary_values_are_valid(top_k: int, logprobs: int | None) -> None:
         ("min_tokens", 17, "min_tokens must be in [0, max_tokens=16], got 17"),
         ("logprobs", -1, "logprobs must be in [0, 20], got -1"),
         ("logprobs", 21, "logprobs must be in [0, 20], got 21"),
+        ("output_offset", -1, "output_offset must be >= 0, got -1"),
     ],
 )
 def test_each_error_names_its_field_and_range(field: str, value: object, message: str) -> None:

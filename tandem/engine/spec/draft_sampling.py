@@ -83,5 +83,5 @@ def _generator(request: Request, num_drafted: int, device: torch.device) -> torc
     seed = request.params.seed
     if seed is None or request.params.greedy:
         return None
-    position = len(request.output_token_ids) + num_drafted
+    position = request.params.output_offset + len(request.output_token_ids) + num_drafted
     return torch.Generator(device).manual_seed(seed_for_position(seed ^ DRAFT_SALT, position))
