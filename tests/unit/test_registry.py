@@ -26,6 +26,7 @@ from tandem.registry import (
     _EmbeddedRedis,
     wait_until_listening,
 )
+from tandem.supervisor import process_alive
 
 
 def make_record(
@@ -486,3 +487,16 @@ def test_an_embedded_server_is_waited_for_until_it_listens(tmp_path: Path) -> No
         thread.join(timeout=30.0)
         for server in servers:
             server.stop()
+
+
+def test_an_embedded_server_is_known_by_its_pid_and_stopped() -> None:
+    """Its pid comes from the server (its pidfile appears after the socket, so reading that
+    could give 0): the supervisor watches that process, and `stop()` ends it."""
+    server = _EmbeddedRedis()
+    pid = server._pid
+    assert pid > 0 and process_alive(pid)
+    server.stop()
+    deadline = time.monotonic() + 10.0
+    while process_alive(pid):
+        assert time.monotonic() < deadline, "the embedded redis-server outlived stop()"
+        time.sleep(0.05)
