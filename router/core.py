@@ -167,9 +167,9 @@ class Router:
         # Unset max_tokens: the rest of the context. The engine resolves it against its own
         # context and KV cache (tandem/engine/engine_core.py), unless this router caps the
         # context below the model's (a limit the workers do not know).
-        if self.config.max_model_len:
-            params = params.resolved_for(len(tokens), self.max_model_len)
         checked = params.resolved_for(len(tokens), self.max_model_len)
+        if self.config.max_model_len:
+            params = checked
         self._validate(tokens, checked, "messages" if messages is not None else "prompt")
         timeout = min(timeout_s or self.config.timeout_s, self.config.timeout_s)
         rid = request_id or f"req-{uuid.uuid4().hex[:16]}"

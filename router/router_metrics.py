@@ -47,6 +47,12 @@ class RouterMetrics:
         local.set_function(lambda: router.local_prefills)
         retries = Gauge("tandem_router_prefill_retries", "Prefills retried", registry=r)
         retries.set_function(lambda: router.prefill_retries)
+        migrations = Gauge(
+            "tandem_router_migrations",
+            "Requests resumed on another decode worker after theirs died",
+            registry=r,
+        )
+        migrations.set_function(lambda: router.migrations)
         self.vllm = VllmMetrics(
             r,
             router.model_name,

@@ -24,6 +24,8 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop  # the text keeps the stop string it ends on
         self.skip_special_tokens = skip_special_tokens
         self.stop = tuple(stop)
+        # characters a stop string may reach back into text already seen
+        self._reach = max(map(len, self.stop), default=1) - 1
         self.tokens = list(prompt_token_ids[-6:])  # a little context for leading-space rules
         self.prefix_offset = 0
         self.read_offset = len(self.tokens)
@@ -49,7 +51,7 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.tokens)
         if self.stop:
             # A stop string may straddle the previous text and the new piece.
-            start = max(0, before - max(len(s) for s in self.stop) + 1)
+            start = max(0, before - self._reach)
             hits = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
             if hits:
                 index, self.stop_string = min(hits)
@@ -60,7 +62,7 @@ class IncrementalDetokenizer:
         held back: they may turn out to begin a stop string."""
         end = len(self.text)
         if not finished and self.stop_string is None and self.stop:
-            end = max(self.emitted, end - max(len(s) for s in self.stop) + 1)
+            end = max(self.emitted, end - self._reach)
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

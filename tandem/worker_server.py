@@ -140,7 +140,7 @@ def vllm_engine_metrics(role: str, model: str, engine: EngineCore) -> Iterable[M
     parked for its remote KV waits, as in vLLM; one held for hand-over is done here."""
     sched, kv = engine.scheduler, engine.kv_cache
     parked_waiting = sum(
-        1 for r in sched.parked.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        1 for r in list(sched.parked.values()) if r.status == RequestStatus.WAITING_FOR_REMOTE_KV
     )
     gauge, counter = GaugeMetricFamily, CounterMetricFamily
     series: list[tuple[type[GaugeMetricFamily | CounterMetricFamily], str, str, float]] = [

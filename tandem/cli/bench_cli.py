@@ -11,7 +11,7 @@ from tandem.cli.bench_quant_cli import bench_quant
 from tandem.cli.bench_serve_cli import bench_serve, bench_sla
 from tandem.cli.bench_sim_cli import register_sim_commands
 from tandem.cli.bench_spec_cli import bench_spec
-from tandem.cli.bench_support import names, run_bench_command
+from tandem.cli.bench_support import JsonOutOpt, names, run_bench_command
 from tandem.cli.options import DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
 from tandem.config import DEFAULT_MODEL
 
@@ -44,9 +44,7 @@ def bench_engine(
             "--quick", help="A one-minute pipeline check with tiny sizes (overrides the sizes)."
         ),
     ] = False,
-    json_out: Annotated[
-        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
-    ] = None,
+    json_out: JsonOutOpt = None,
 ) -> None:
     """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
     from tandem.bench.engine_bench import EngineBenchConfig, run_engine_bench
@@ -104,9 +102,7 @@ def bench_transfer(
             "--quick", help="A pipeline check: 512 tokens, one round (overrides the sizes)."
         ),
     ] = False,
-    json_out: Annotated[
-        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
-    ] = None,
+    json_out: JsonOutOpt = None,
 ) -> None:
     """KV transfer: each channel's GB/s against raw TCP / memcpy, and the exposed transfer time
     with and without layer-wise streaming."""

@@ -14,15 +14,12 @@ import typer
 from rich.console import Console
 
 from tandem.bench.common import BenchError
+from tandem.cli.bench_support import names
 from tandem.config import DEFAULT_MODEL
 
 # The tables need ~90 columns; without a terminal (a log file) rich would cut them at 80.
 console = Console() if sys.stdout.isatty() else Console(width=100)
 EXPERIMENTS = ("pd", "spec")
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def _pd_config(model: str, quick: bool, **kw: Any) -> Any:
@@ -35,7 +32,9 @@ def _pd_config(model: str, quick: bool, **kw: Any) -> Any:
 def _spec_config(model: str, quick: bool, concurrencies: str, **kw: Any) -> Any:
     from tandem.bench.experiment import SpecExperimentConfig
 
-    config = SpecExperimentConfig(model=model, concurrencies=_ints(concurrencies), **kw)
+    config = SpecExperimentConfig(
+        model=model, concurrencies=tuple(int(c) for c in names(concurrencies)), **kw
+    )
     return config.quick() if quick else config
 
 

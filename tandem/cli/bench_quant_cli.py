@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from tandem.bench.quant_config import QuantBenchConfig
-from tandem.cli.bench_support import names, run_bench_command
+from tandem.cli.bench_support import JsonOutOpt, names, run_bench_command
 from tandem.config import DEFAULT_MODEL
 
 # The matrix needs ~140 columns; without a terminal (a log file) rich would cut it at 80.
@@ -43,9 +43,7 @@ def bench_quant(
         bool,
         typer.Option("--quick", help="A pipeline check: one prompt, batch 1 and 2, 8 tokens."),
     ] = False,
-    json_out: Annotated[
-        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
-    ] = None,
+    json_out: JsonOutOpt = None,
 ) -> None:
     """Weight formats x n-gram speculation x batch size in one run, with llama.cpp on the same
     GGUF and each format's kernel floor, against the quantization targets."""

@@ -53,6 +53,9 @@ SloMs = Annotated[float | None, typer.Option(help="Goodput SLO, milliseconds.")]
 Out = Annotated[
     str | None, typer.Option(help="Write results.json, requests.jsonl, CSV and PNGs here.")
 ]
+ClientTimeout = Annotated[float, typer.Option(help="Per request, client side.")]
+ServerMetrics = Annotated[bool, typer.Option(help="Scrape router and workers.")]
+LeakWait = Annotated[float, typer.Option(help="Wait for KV blocks to free.")]
 ChunkTokens = Annotated[
     str, typer.Option(help="HTTP: count each streamed event (events) or non-empty text (text).")
 ]
@@ -152,10 +155,10 @@ def bench_serve(
     slo_ttft: SloMs = None,
     slo_tpot: SloMs = None,
     slo_e2e: SloMs = None,
-    timeout_s: Annotated[float, typer.Option(help="Per request, client side.")] = 600.0,
+    timeout_s: ClientTimeout = 600.0,
     http_chunk_tokens: ChunkTokens = "events",
-    server_metrics: Annotated[bool, typer.Option(help="Scrape router and workers.")] = True,
-    leak_wait_s: Annotated[float, typer.Option(help="Wait for KV blocks to free.")] = 10.0,
+    server_metrics: ServerMetrics = True,
+    leak_wait_s: LeakWait = 10.0,
     out: Out = None,
     plots: bool = True,
 ) -> None:
@@ -205,10 +208,10 @@ def bench_sla(
     warmup_s: Seconds = 0.0,
     cooldown_s: Seconds = 0.0,
     seed: int = 0,
-    timeout_s: Annotated[float, typer.Option(help="Per request, client side.")] = 600.0,
+    timeout_s: ClientTimeout = 600.0,
     http_chunk_tokens: ChunkTokens = "events",
-    server_metrics: Annotated[bool, typer.Option(help="Scrape router and workers.")] = True,
-    leak_wait_s: Annotated[float, typer.Option(help="Wait for KV blocks to free.")] = 10.0,
+    server_metrics: ServerMetrics = True,
+    leak_wait_s: LeakWait = 10.0,
     out: Out = None,
     plots: bool = True,
 ) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from tandem.cli.bench_support import names
 from tandem.config import DEFAULT_MODEL
 
 console = Console()
@@ -37,16 +39,8 @@ def bench_calibrate(
         transfer_latency_s=transfer_latency_ms / 1e3,
     )
     if quick:
-        config = CalibrateConfig(
-            model=model,
-            dtype=dtype,
-            threads=threads,
-            prefill_lengths=(16, 64),
-            batches=(1, 4),
-            contexts=(16, 64),
-            decode_steps=3,
-            transfer_bytes_per_s=config.transfer_bytes_per_s,
-            transfer_latency_s=config.transfer_latency_s,
+        config = replace(
+            config, prefill_lengths=(16, 64), batches=(1, 4), contexts=(16, 64), decode_steps=3
         )
     with console.status("measuring the real engine..."):
         profile = calibrate(config, console)
@@ -78,7 +72,7 @@ def bench_router(
         RouterBenchConfig(
             model=model,
             latency_requests=requests,
-            concurrency=tuple(int(c) for c in concurrency.split(",") if c.strip()),
+            concurrency=tuple(int(c) for c in names(concurrency)),
             duration_s=duration_s,
             max_tokens=max_tokens,
         ),

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from tandem.bench.spec_config import SpecBenchConfig
-from tandem.cli.bench_support import names, run_bench_command
+from tandem.cli.bench_support import JsonOutOpt, names, run_bench_command
 from tandem.config import DEFAULT_MODEL
 from tandem.data import SPECBENCH_CATEGORIES
 
@@ -53,9 +53,7 @@ def bench_spec(
             help="A pipeline check: one prompt per category, batch 1 and 4, 16 tokens.",
         ),
     ] = False,
-    json_out: Annotated[
-        str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
-    ] = None,
+    json_out: JsonOutOpt = None,
 ) -> None:
     """Output tok/s with and without speculative decoding per proposer, category and batch size,
     with acceptance, against transformers prompt lookup and assisted generation."""

@@ -5,12 +5,16 @@ torch, so `tandem --help` stays light."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
 import typer
 from rich.console import Console
 
 from tandem.bench.common import BenchError
+
+JsonOutOpt = Annotated[
+    str | None, typer.Option("--json", help="Write results here, and a .png beside them.")
+]
 
 
 class QuickConfig(Protocol):

@@ -140,10 +140,12 @@ class LocalCluster:
         raise TimeoutError(f"workers did not register within {timeout_s:.0f} s")
 
     def stop(self, grace_s: float = 15.0) -> None:
-        for supervisor in self.supervisors:  # first: the workers stopped below stay stopped
-            supervisor.stop()
         if self.router_server is not None:
             self.router_server.stop()
+        # Before the workers: they stay stopped. (A restarted worker gets SIGTERM as its
+        # supervisor's thread ends: PR_SET_PDEATHSIG follows the thread that started it.)
+        for supervisor in self.supervisors:
+            supervisor.stop()
         stop_processes([w.process for w in self.workers], grace_s)
         if self.registry is not None:
             self.registry.close()

@@ -33,11 +33,10 @@ from tandem.cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision
 from tandem.cluster.signals import ClusterSignals
 from tandem.config import EngineConfig, WorkerConfig
 from tandem.engine.spec.factory import prefill_speculative
-from tandem.registry import Registry
+from tandem.registry import ROLES, Registry
 
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 CONTROLLER_NAME = "tandem-controller"
 NAMESPACE = "tandem"
 MISSED_PINGS = 3

@@ -6,9 +6,8 @@ from __future__ import annotations
 from decode_worker.decode_servicer import build_decode_server
 from prefill_worker.prefill_servicer import build_prefill_server
 from tandem.config import WorkerConfig
+from tandem.registry import ROLES
 from tandem.worker_server import WorkerServer
-
-ROLES = ("prefill", "decode")
 
 
 def build_worker(role: str, config: WorkerConfig) -> WorkerServer:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tandem.config import EngineConfig, ModelSettings
+from tandem.config import DTYPES, EngineConfig, ModelSettings
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 # Quantized KV cache formats (tandem/engine/kv_quant.py), scaled per token.
 KV_TORCH_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 

@@ -117,6 +117,7 @@ def extension(level: str | None = None) -> ModuleType | None:
     return module
 
 
+@functools.cache  # extension() asks on every call: once per layer op on CPU
 def runnable_levels() -> list[str]:
     """The levels built here that this CPU runs, lowest first (none where the build failed)."""
     lib = library()
