@@ -97,7 +97,11 @@ class _Sampling(BaseModel):
             log.info("accepted without effect: %s", ", ".join(given))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=self.max_completion_tokens or self.max_tokens,
+            max_tokens=(
+                self.max_tokens
+                if self.max_completion_tokens is None
+                else self.max_completion_tokens
+            ),
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -159,7 +163,12 @@ class ChatRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def rendered_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
+        return template_messages(self.messages)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template reads them: role and text content."""
+    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
 
 
 def error_body(e: RouterError) -> dict[str, Any]:
@@ -290,7 +299,7 @@ def _add_tokenizer_routes(app: FastAPI, router: Router) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        messages = None if body.messages is None else [m.model_dump() for m in body.messages]
+        messages = None if body.messages is None else template_messages(body.messages)
         tokens = router.tokenize(
             model=body.model,
             prompt=body.prompt,

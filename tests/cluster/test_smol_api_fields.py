@@ -144,6 +144,8 @@ def test_stop_string_kept_on_request_and_max_completion_tokens(url: str, smol_ll
     dropped = http_post(f"{url}/v1/completions", {**body, "max_completion_tokens": 8})
     assert kept.json()["choices"][0]["text"] == dropped.json()["choices"][0]["text"] + stop
     assert dropped.json()["usage"]["completion_tokens"] <= 8
+    zero = http_post(f"{url}/v1/completions", {**body, "max_completion_tokens": 0})
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"
     both = {**body, "max_tokens": 4, "max_completion_tokens": 4}
     r = http_post(f"{url}/v1/completions", both)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

@@ -200,6 +200,8 @@ def test_tokenize_and_detokenize_round_trip(keyed: RouterAddress, smollm2_path: 
     rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
     assert opened["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
     assert opened["tokens"][: bare["count"]] == bare["tokens"] and opened["count"] > bare["count"]
+    parts = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    assert post(keyed, "/tokenize", {"messages": parts}).json() == opened  # as chat reads them
 
 
 def test_version_and_the_context_length(keyed: RouterAddress) -> None:
