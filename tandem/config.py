@@ -37,6 +37,9 @@ KERNEL_ROUTE_NAMES = (
     "dequant",
     "dequant_fp32",
 )
+# Attention over the paged cache (tandem/engine/attention.py): "auto" takes the Triton kernels on
+# CUDA where they apply and SDPA elsewhere.
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
 DEFAULT_MODEL = "smollm2-135m"
 # Every gRPC channel and server of the cluster: a KV chunk or a long prompt fits in one message.
 GRPC_MAX_MESSAGE_BYTES = 64 << 20
@@ -121,6 +124,8 @@ class ModelSettings:
     quant_group_size: int = 32  # int4: input channels per scale and zero (halved where it does
     # not divide a layer's input size: SmolLM2's 576 takes 64 for 128)
     kernel_routes: str = "auto"  # CPU: KERNEL_ROUTE_POLICIES or a route of KERNEL_ROUTE_NAMES
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
+    cuda_graphs: bool = True  # CUDA + Triton attention: decode / verify steps replay graphs
 
     def __post_init__(self) -> None:
         if self.engine not in ("real", "sim"):
@@ -138,6 +143,11 @@ class ModelSettings:
             raise ValueError(
                 f"kernel_routes must be one of {list(KERNEL_ROUTE_POLICIES)} or a route of "
                 f"{list(KERNEL_ROUTE_NAMES)}, got {self.kernel_routes!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {list(ATTENTION_BACKENDS)}, "
+                f"got {self.attention_backend!r}"
             )
         if self.quant_group_size not in QUANT_GROUP_SIZES:
             raise ValueError(

@@ -8,6 +8,8 @@ import typer
 
 from tandem.cli.options import (
     ApiKeyOpt,
+    AttentionBackendOpt,
+    CudaGraphsOpt,
     DeviceOpt,
     DraftModelOpt,
     DtypeOpt,
@@ -54,6 +56,7 @@ def serve(
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
     kernel_routes: KernelRoutesOpt = "auto",
+    attention_backend: AttentionBackendOpt = "auto",
     max_num_seqs: Annotated[int, typer.Option(help="Requests per engine batch.")] = 64,
     num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
     engine: Annotated[str, typer.Option(help="--no-ray: real | sim workers.")] = "real",
@@ -66,6 +69,7 @@ def serve(
         "dtype": dtype, "memory_gib": kv_memory_gib, "block_size": block_size,
         "kv_cache_dtype": kv_cache_dtype, "quantization": quantization,
         "quant_group_size": quant_group_size, "kernel_routes": kernel_routes,
+        "attention_backend": attention_backend,
         "max_num_seqs": max_num_seqs, "num_threads": num_threads,
     }  # fmt: skip
     listen = (redis, host, http_port, grpc_port)
@@ -146,6 +150,7 @@ _WORKER_FLAGS = {
     "quantization": "--quantization",
     "quant_group_size": "--quant-group-size",
     "kernel_routes": "--kernel-routes",
+    "attention_backend": "--attention-backend",
     "max_num_seqs": "--max-num-seqs",
     "num_threads": "--num-threads",
 }
@@ -282,6 +287,8 @@ def worker(
     quantization: QuantOpt = None,
     quant_group_size: GroupSizeOpt = 32,
     kernel_routes: KernelRoutesOpt = "auto",
+    attention_backend: AttentionBackendOpt = "auto",
+    cuda_graphs: CudaGraphsOpt = True,
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
     channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
     stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
@@ -306,7 +313,8 @@ def worker(
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,
         quantization=quantization, quant_group_size=quant_group_size,
-        kernel_routes=kernel_routes,
+        kernel_routes=kernel_routes, attention_backend=attention_backend,
+        cuda_graphs=cuda_graphs,
     )  # fmt: skip
     transfer = TransferConfig(
         channel=channel, stream_layers=stream_layers, on_failure=on_transfer_failure

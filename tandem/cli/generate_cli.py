@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from tandem.cli.options import (
+    AttentionBackendOpt,
+    CudaGraphsOpt,
     DeviceOpt,
     DraftModelOpt,
     DtypeOpt,
@@ -44,6 +46,8 @@ def generate(
     dtype: DtypeOpt = "float32",
     device: DeviceOpt = "cpu",
     kv_cache_dtype: KVCacheDtypeOpt = "auto",
+    attention_backend: AttentionBackendOpt = "auto",
+    cuda_graphs: CudaGraphsOpt = True,
 ) -> None:
     """Generate a completion with the offline engine, streamed to the terminal."""
     from tandem.engine import LLM, SamplingParams
@@ -61,6 +65,8 @@ def generate(
             quant_group_size=quant_group_size,
             kernel_routes=kernel_routes,
             kv_cache_dtype=kv_cache_dtype,
+            attention_backend=attention_backend,
+            cuda_graphs=cuda_graphs,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None

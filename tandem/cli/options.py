@@ -48,6 +48,16 @@ KernelRoutesOpt = Annotated[
         "(row_gemm, f_linear, quant_gemm, dequant, ...)."
     ),
 ]
+AttentionBackendOpt = Annotated[
+    str,
+    typer.Option(
+        help="Attention over the paged cache: auto (Triton kernels on CUDA where they apply, "
+        "SDPA elsewhere) | triton | sdpa."
+    ),
+]
+CudaGraphsOpt = Annotated[
+    bool, typer.Option(help="CUDA: replay decode and verify steps as CUDA graphs.")
+]
 KVCacheDtypeOpt = Annotated[
     str,
     typer.Option(help="KV cache: auto (the model dtype) | int8 | fp8 (e4m3), scaled per token."),

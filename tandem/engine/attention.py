@@ -3,8 +3,9 @@
 The runner builds one `AttentionMetadata` per step (shared by every layer); each layer then calls
 `backend.forward`, which writes the step's new keys/values into their slots and attends over each
 request's whole context. `TorchSDPABackend` is the portable implementation (CPU, tests, any CUDA
-device); fused CUDA backends (FlashAttention, FlashInfer, CUDA graphs) implement the same two
-methods.
+device); `TritonPagedBackend` runs Triton kernels that read the blocks in place
+(`triton_attention.py`, imported only when that backend is built) and is what a CUDA engine
+takes by default (`backend_class`: `attention_backend="auto"`), SDPA staying its fallback.
 
 KV cache layout, one tensor per layer: `[2, num_blocks, block_size, num_kv_heads, slot_dim]`;
 `slot_dim = head_dim` in a float cache, and a quantized cache (int8, fp8) appends each slot's
@@ -21,6 +22,8 @@ gathered blocks is the path everywhere else.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -89,6 +92,18 @@ class AttentionMetadata:
     long_seqs: list[LongSeq]
 
 
+@dataclass
+class PagedMetadata(AttentionMetadata):
+    """`TritonPagedBackend`'s: the requests' block tables and lengths, read by its kernel; the
+    SDPA fields stay empty."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_starts: torch.Tensor  # [B + 1] int32: request b's tokens are [s[b], s[b + 1])
+    context_lens: torch.Tensor  # [B] int32
+    max_query_len: int
+    num_splits: int  # programs the kernel splits each request's context over
+
+
 class AttentionBackend(ABC):
     """Builds per-step metadata once and runs attention for every layer."""
 
@@ -123,6 +138,33 @@ def slot_mapping_for(seqs: list[SeqSpec], block_size: int) -> list[int]:
     return slots
 
 
+@dataclass(frozen=True)
+class PagedLists:
+    """A step's attention inputs as plain ints (`paged_lists`), before they become tensors."""
+
+    slot_mapping: list[int]  # [num_tokens]
+    block_tables: list[list[int]]  # [B][max_blocks], each padded with block 0
+    query_starts: list[int]  # [B + 1]
+    context_lens: list[int]  # [B]
+
+
+def paged_lists(seqs: list[SeqSpec], block_size: int) -> PagedLists:
+    width = max((-(-s.context_len // block_size) for s in seqs), default=0)
+    starts = [0]
+    for s in seqs:
+        starts.append(starts[-1] + s.query_len)
+    return PagedLists(
+        slot_mapping_for(seqs, block_size),
+        [pad_table(s.block_table[:width], width) for s in seqs],
+        starts,
+        [s.context_len for s in seqs],
+    )
+
+
+def pad_table(table: list[int], width: int) -> list[int]:
+    return table + [0] * (width - len(table))
+
+
 class TorchSDPABackend(AttentionBackend):
     """`torch.nn.functional.scaled_dot_product_attention` over gathered KV blocks."""
 
@@ -151,8 +193,7 @@ class TorchSDPABackend(AttentionBackend):
         max_q = max(s.query_len for s in seqs)
         max_ctx = max(s.context_len for s in seqs)
         max_blocks = -(-max_ctx // bs)
-        tables = [s.block_table[:max_blocks] for s in seqs]
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+        tables = [pad_table(s.block_table[:max_blocks], max_blocks) for s in seqs]
         work = sum(s.context_len * s.query_len for s in seqs)
         kernel = cpu_attention.runs_on(device, bs) and (
             len(seqs) == 1 or work <= KERNEL_WORK_RATIO * len(seqs) * max_ctx
@@ -263,6 +304,102 @@ class TorchSDPABackend(AttentionBackend):
         keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
         o = F.scaled_dot_product_attention(qh, keys, values, attn_mask=s.mask, scale=self.scale)
         return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, -1)
+
+
+class TritonPagedBackend(AttentionBackend):
+    """Triton kernels over the paged cache, read in place (`triton_attention.py`): one launch
+    per layer attends every request of the step, whatever its query length."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        from tandem.engine import triton_attention  # Triton only where this backend runs
+
+        if not triton_takes(block_size) or head_dim < triton_attention.MIN_DOT:
+            raise ValueError(f"the Triton kernels do not take {block_size=}, {head_dim=}")
+        self.kernels = triton_attention
+
+    def build_metadata(self, seqs: list[SeqSpec], device: torch.device) -> PagedMetadata:
+        lists = paged_lists(seqs, self.block_size)
+        max_q = max((s.query_len for s in seqs), default=1)
+        return self.metadata(lists, max_q, self.num_splits(len(seqs), max_q, device), device)
+
+    def num_splits(self, num_reqs: int, max_query_len: int, device: torch.device) -> int:
+        block_q, _ = self.kernels.tile_shape(max_query_len, self.num_heads // self.num_kv_heads)
+        programs = num_reqs * -(-max_query_len // block_q) * self.num_kv_heads
+        return int(self.kernels.num_splits_for(programs, device))
+
+    @staticmethod
+    def metadata(
+        lists: PagedLists, max_query_len: int, num_splits: int, device: torch.device
+    ) -> PagedMetadata:
+        def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return PagedMetadata(
+            tensor(lists.slot_mapping, torch.int64),
+            None,
+            [],
+            tensor(lists.block_tables, torch.int32),
+            tensor(lists.query_starts, torch.int32),
+            tensor(lists.context_lens, torch.int32),
+            max_query_len,
+            num_splits,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert isinstance(meta, PagedMetadata), "metadata of another backend"
+        self.kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        out: torch.Tensor = self.kernels.paged_attention(
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.query_starts,
+            meta.context_lens,
+            meta.max_query_len,
+            self.scale,
+            meta.num_splits,
+        )
+        return out
+
+
+def triton_takes(block_size: int) -> bool:
+    """Whether the Triton kernels take caches of `block_size` (a tile of `tl.dot`)."""
+    return block_size >= 16 and block_size & (block_size - 1) == 0
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def backend_class(
+    name: str, device: torch.device, kv_dtype: torch.dtype, block_size: int
+) -> type[AttentionBackend]:
+    """The backend `attention_backend=name` ("auto" | "triton" | "sdpa") means for an engine on
+    `device` with a cache of `kv_dtype` and `block_size`: "auto" takes the Triton kernels where
+    they apply (CUDA, a float cache, a block size they take) and SDPA elsewhere; "triton" where
+    they do not apply is a ValueError that says why."""
+    unfit = None
+    if device.type != "cuda":
+        unfit = f"needs a CUDA device, not {device.type!r}"
+    elif is_quantized(kv_dtype):
+        unfit = f"reads float caches only, not {kv_dtype}"
+    elif not triton_takes(block_size):
+        unfit = f"needs a block_size that is a power of 2 >= 16, not {block_size}"
+    elif not triton_installed():
+        unfit = "needs the triton package"
+    if name == "sdpa" or (name == "auto" and unfit is not None):
+        return TorchSDPABackend
+    if unfit is not None:
+        raise ValueError(f"attention_backend 'triton' {unfit}")
+    return TritonPagedBackend
 
 
 def _gather(

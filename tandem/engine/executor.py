@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TypeVar
 
 from tandem.config import CacheConfig, EngineConfig
-from tandem.engine.attention import TorchSDPABackend
+from tandem.engine.attention import TritonPagedBackend, backend_class
+from tandem.engine.cuda_graphs import CudaGraphs, batch_buckets
 from tandem.engine.dtypes import kv_dtype, model_device, model_dtype
 from tandem.engine.kv_quant import kv_bytes_per_token
 from tandem.engine.models import load_model
@@ -70,7 +71,7 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     mc, block_size, cache_dtype = config.model, config.cache.block_size, kv_dtype(config)
     model = load_model(
         model_path,
-        TorchSDPABackend,
+        backend_class(mc.attention_backend, model_device(mc), cache_dtype, block_size),
         block_size,
         model_dtype(mc),
         model_device(mc),
@@ -86,6 +87,12 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     runner = ModelRunner(
         model, num_blocks, block_size, cache_dtype, model_device(mc), model.cfg.eos_token_ids
     )
+    if mc.cuda_graphs and isinstance(model.backend, TritonPagedBackend):
+        spec = config.spec
+        query_lens = (1,) if spec.method is None else (1, spec.num_speculative_tokens + 1)
+        max_model_len = mc.max_model_len or model.cfg.max_position_embeddings
+        buckets = batch_buckets(config.scheduler.max_num_seqs)
+        runner.graphs = CudaGraphs(model, buckets, query_lens, max_model_len)
     return Executor(model, runner, num_blocks)
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, AttentionBackend, SeqSpec
+from tandem.engine.cuda_graphs import CudaGraphs
 from tandem.engine.kv_quant import slot_dim
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
@@ -74,6 +75,7 @@ class ModelRunner:
         ]
         self.sampler = Sampler()
         self.keep_hidden = False  # a proposer reads the target's hidden states (Medusa, EAGLE)
+        self.graphs: CudaGraphs | None = None  # decode / verify steps as CUDA graphs (executor)
 
     def use_kv_caches(self, make: Callable[[], list[torch.Tensor]]) -> None:
         """Compute into KV tensors of the same layout that `make()` allocates (e.g. shared memory);
@@ -126,8 +128,12 @@ class ModelRunner:
         after_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         inp = self.prepare(out, block_tables)
-        meta = self.backend.build_metadata(inp.seqs, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, after_layer)
+        hidden = None
+        if self.graphs is not None and after_layer is None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.seqs, self.kv_caches)
+        if hidden is None:
+            meta = self.backend.build_metadata(inp.seqs, self.device)
+            hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, after_layer)
         result = StepResult(hidden=StepHidden(hidden, inp.spans) if self.keep_hidden else None)
         if not inp.sampled:
             return result

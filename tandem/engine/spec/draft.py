@@ -40,7 +40,7 @@ from torch import Tensor
 
 from tandem import hub
 from tandem.config import ModelSettings, SpecConfig
-from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, SeqSpec, TorchSDPABackend
+from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, SeqSpec
 from tandem.engine.dtypes import model_device, model_dtype
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.kv_quant import kv_bytes_per_token, slot_dim
@@ -211,7 +211,7 @@ def load_draft_proposer(
     block_size, device = kv_cache.block_size, model_device(settings)
     model = load_model(
         path,
-        TorchSDPABackend,
+        type(runner.backend),  # the target's attention backend
         block_size,
         model_dtype(settings),
         device,

@@ -1,0 +1,92 @@
+"""The CUDA-graph step logic that needs no GPU: buckets, the key a step takes, its padding, the
+eager fallback; and which attention backend an engine gets (`backend_class`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.config import ModelSettings
+from tandem.engine.attention import (
+    PagedLists,
+    SeqSpec,
+    TorchSDPABackend,
+    TritonPagedBackend,
+    backend_class,
+    paged_lists,
+    triton_installed,
+)
+from tandem.engine.cuda_graphs import (
+    PAD_SLOT,
+    GraphKey,
+    batch_buckets,
+    choose_key,
+    graph_keys,
+    pad_lists,
+)
+
+
+def test_batch_buckets() -> None:
+    assert batch_buckets(64) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert batch_buckets(10) == (1, 2, 4, 8, 10)
+    assert batch_buckets(1) == (1,)
+
+
+def test_choose_key_takes_the_fewest_padding_tokens_else_none() -> None:
+    keys = graph_keys((1, 2, 4, 8), (1, 6))  # decodes, and verifications of 5 drafts
+    assert choose_key(keys, 1, 1) == GraphKey(1, 1)
+    assert choose_key(keys, 3, 1) == GraphKey(4, 1)
+    assert choose_key(keys, 3, 2) == GraphKey(4, 6)  # a verification of 1 draft
+    assert choose_key(keys, 8, 6) == GraphKey(8, 6)
+    assert choose_key(keys, 9, 1) is None  # above the largest bucket: eager
+    assert choose_key(keys, 1, 7) is None  # a longer query (a prefill chunk): eager
+
+
+def test_pad_lists_pads_tokens_and_requests_with_nothing_to_attend() -> None:
+    seqs = [SeqSpec(3, 1, [5]), SeqSpec(17, 2, [1, 2])]  # a decode, a verification
+    lists = paged_lists(seqs, 16)
+    assert lists == PagedLists([83, 33, 34], [[5, 0], [1, 2]], [0, 1, 3], [4, 19])
+    padded = pad_lists(lists, GraphKey(4, 2))
+    assert padded.slot_mapping == [83, 33, 34] + [PAD_SLOT] * 5  # 4 x 2 tokens
+    assert padded.block_tables == [[5, 0], [1, 2], [0, 0], [0, 0]]
+    assert padded.query_starts == [0, 1, 3, 3, 3]  # padding requests hold no token
+    assert padded.context_lens == [4, 19, 0, 0]  # ... and no context
+    assert pad_lists(lists, GraphKey(2, 2)).slot_mapping == [83, 33, 34, PAD_SLOT]
+
+
+def test_pad_lists_refuses_a_step_larger_than_the_key() -> None:
+    lists = paged_lists([SeqSpec(0, 3, [0]), SeqSpec(4, 1, [1])], 16)
+    with pytest.raises(ValueError, match="exceeds"):
+        pad_lists(lists, GraphKey(1, 4))
+    with pytest.raises(ValueError, match="exceeds"):
+        pad_lists(lists, GraphKey(2, 1))
+
+
+def test_the_cpu_path_keeps_sdpa_whatever_the_setting_allows() -> None:
+    cpu = torch.device("cpu")
+    assert backend_class("auto", cpu, torch.float32, 16) is TorchSDPABackend
+    assert backend_class("sdpa", cpu, torch.float32, 16) is TorchSDPABackend
+    with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
+        backend_class("triton", cpu, torch.float32, 16)
+
+
+@pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
+def test_cuda_engines_take_triton_by_default_and_keep_sdpa_as_fallback() -> None:
+    # The device is only named: nothing is allocated on it.
+    cuda = torch.device("cuda")
+    assert backend_class("auto", cuda, torch.bfloat16, 16) is TritonPagedBackend
+    assert backend_class("triton", cuda, torch.float32, 32) is TritonPagedBackend
+    assert backend_class("sdpa", cuda, torch.bfloat16, 16) is TorchSDPABackend
+    # where the kernels do not apply, "auto" falls back and "triton" says why
+    assert backend_class("auto", cuda, torch.int8, 16) is TorchSDPABackend
+    assert backend_class("auto", cuda, torch.bfloat16, 8) is TorchSDPABackend
+    with pytest.raises(ValueError, match="float caches only"):
+        backend_class("triton", cuda, torch.float8_e4m3fn, 16)
+    with pytest.raises(ValueError, match="power of 2 >= 16"):
+        backend_class("triton", cuda, torch.bfloat16, 24)
+
+
+def test_attention_backend_setting_is_checked() -> None:
+    assert ModelSettings().attention_backend == "auto"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        ModelSettings(attention_backend="flash")
