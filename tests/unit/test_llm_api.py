@@ -265,6 +265,8 @@ def test_cli_generate(llm: LLM, cli: tuple[CliRunner, list[dict[str, Any]]]) -> 
             "quant_group_size": 32,
             "kernel_routes": "auto",
             "kv_cache_dtype": "auto",
+            "attention_backend": "auto",
+            "cuda_graphs": True,
         }
     ]
     (expected,) = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0))
