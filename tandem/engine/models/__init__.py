@@ -1,4 +1,8 @@
-"""Llama-family models and their loaders (HF safetensors directories and GGUF files)."""
+"""Llama-family models and their loaders (HF safetensors directories and GGUF files).
+
+The loaders (and the GGUF reader they need) are imported by `load_model` only: a model built in
+code (the GPU check, `tandem/bench/gpu.py`) needs neither.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,6 @@ import torch
 from tandem.engine import routes
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.models.llama import LlamaForCausalLM
-from tandem.engine.models.loader import iter_weights
-from tandem.engine.quant.model import gguf_direct_weights, quantize_model
 from tandem.model_config import ModelConfig, load_config
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
@@ -29,6 +31,9 @@ def load_model(
     """The model in `dtype` on `device`; `quantization` ("int8" | "int4") then quantizes the
     decoder layers' linear layers (tandem/engine/quant/); on CPU its products take the routes
     `kernel_routes` says (tandem/engine/routes.py)."""
+    from tandem.engine.models.loader import iter_weights
+    from tandem.engine.quant.model import gguf_direct_weights, quantize_model
+
     cfg = load_config(path)
     backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
     model = LlamaForCausalLM(cfg, backend, dtype, device)
