@@ -128,3 +128,16 @@ def bench_transfer(
         json_out,
         console,
     )
+
+
+@bench_app.command(
+    "gpu",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def bench_gpu(ctx: typer.Context) -> None:
+    """The engine at GPU speed on one CUDA GPU (kernels, 8B-shaped decode against the HBM
+    roofline and transformers, CUDA graphs); `tandem bench gpu --help` for its options."""
+    from tandem.bench.gpu import main
+
+    raise typer.Exit(main(ctx.args))
