@@ -174,3 +174,18 @@ def failures(errors: dict[str, float]) -> list[str]:
         for name, error in errors.items()
         if not error <= (0.0 if name == "store_kv" else tolerance(name))
     ]
+
+
+if __name__ == "__main__":  # the CUDA tests of the GPU check (scripts/gpu_check.sh)
+    import sys
+
+    import torch.cuda
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_kernels: no CUDA device (torch.cuda.is_available() is False)")
+    errors = all_errors(torch.device("cuda"))
+    for name, error in errors.items():
+        print(f"{name:32s} {error:.3g}  (tolerance {tolerance(name):.0e})")
+    failed = failures(errors)
+    print("FAILED: " + ", ".join(failed) if failed else "all kernel cases pass")
+    sys.exit(1 if failed else 0)

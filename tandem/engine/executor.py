@@ -87,7 +87,8 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     runner = ModelRunner(
         model, num_blocks, block_size, cache_dtype, model_device(mc), model.cfg.eos_token_ids
     )
-    if mc.cuda_graphs and isinstance(model.backend, TritonPagedBackend):
+    cuda = model_device(mc).type == "cuda"
+    if mc.cuda_graphs and cuda and isinstance(model.backend, TritonPagedBackend):
         spec = config.spec
         query_lens = (1,) if spec.method is None else (1, spec.num_speculative_tokens + 1)
         max_model_len = mc.max_model_len or model.cfg.max_position_embeddings
