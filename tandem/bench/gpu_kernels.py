@@ -19,6 +19,8 @@ KERNEL_CASES: dict[str, tuple[int, int, int, int, list[int], list[int], str, int
     "verify_1to8_gqa4": (16, 2, 4, 32, [*range(1, 9)], [9, 20, 3, 31, 5, 46, 7, 8], "float32", 1),
     "verify_split_bs16_gqa8": (16, 1, 8, 32, [3, 8, 1], [40, 75, 2], "float32", 4),
     "gqa3_head64_bs16": (16, 3, 3, 64, [1, 6, 12], [30, 6, 40], "float32", 1),
+    "ragged_bs8_gqa4_split": (8, 2, 4, 32, [1, 3, 9], [70, 140, 9], "float32", 2),
+    "ragged_bs48_gqa4": (48, 1, 4, 32, [2, 1, 20], [100, 7, 150], "float32", 1),
     "mixed_bf16_bs16_gqa4": (16, 2, 4, 32, [1, 5, 30], [50, 21, 30], "bfloat16", 1),
     "verify_bf16_bs32_gqa8": (32, 1, 8, 32, [4, 8, 2], [70, 8, 33], "bfloat16", 2),
     "prefix_hit_bf16_bs32_gqa1": (32, 2, 1, 32, [17], [81], "bfloat16", 1),

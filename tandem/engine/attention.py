@@ -314,8 +314,8 @@ class TritonPagedBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         from tandem.engine import triton_attention  # Triton only where this backend runs
 
-        if not triton_takes(block_size) or head_dim < triton_attention.MIN_DOT:
-            raise ValueError(f"the Triton kernels do not take {block_size=}, {head_dim=}")
+        if head_dim < triton_attention.MIN_DOT:
+            raise ValueError(f"the Triton kernels need head_dim >= 16, not {head_dim}")
         self.kernels = triton_attention
 
     def build_metadata(self, seqs: list[SeqSpec], device: torch.device) -> PagedMetadata:
@@ -369,30 +369,21 @@ class TritonPagedBackend(AttentionBackend):
         return out
 
 
-def triton_takes(block_size: int) -> bool:
-    """Whether the Triton kernels take caches of `block_size` (a tile of `tl.dot`)."""
-    return block_size >= 16 and block_size & (block_size - 1) == 0
-
-
 @functools.cache
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def backend_class(
-    name: str, device: torch.device, kv_dtype: torch.dtype, block_size: int
-) -> type[AttentionBackend]:
+def backend_class(name: str, device: torch.device, kv_dtype: torch.dtype) -> type[AttentionBackend]:
     """The backend `attention_backend=name` ("auto" | "triton" | "sdpa") means for an engine on
-    `device` with a cache of `kv_dtype` and `block_size`: "auto" takes the Triton kernels where
-    they apply (CUDA, a float cache, a block size they take) and SDPA elsewhere; "triton" where
-    they do not apply is a ValueError that says why."""
+    `device` with a cache of `kv_dtype`: "auto" takes the Triton kernels where they apply (CUDA,
+    a float cache, Triton installed) and SDPA elsewhere; "triton" where they do not apply is a
+    ValueError that says why."""
     unfit = None
     if device.type != "cuda":
         unfit = f"needs a CUDA device, not {device.type!r}"
     elif is_quantized(kv_dtype):
         unfit = f"reads float caches only, not {kv_dtype}"
-    elif not triton_takes(block_size):
-        unfit = f"needs a block_size that is a power of 2 >= 16, not {block_size}"
     elif not triton_installed():
         unfit = "needs the triton package"
     if name == "sdpa" or (name == "auto" and unfit is not None):

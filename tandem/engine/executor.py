@@ -71,7 +71,7 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     mc, block_size, cache_dtype = config.model, config.cache.block_size, kv_dtype(config)
     model = load_model(
         model_path,
-        backend_class(mc.attention_backend, model_device(mc), cache_dtype, block_size),
+        backend_class(mc.attention_backend, model_device(mc), cache_dtype),
         block_size,
         model_dtype(mc),
         model_device(mc),

@@ -8,8 +8,9 @@ positions up to its own. So one kernel covers prefill (fresh, chunked or after a
 `num_computed_tokens > 0`), decode (one query) and speculative verification (several queries,
 causal among them).
 
-A program attends one tile of one request's queries for one KV head, over that request's blocks,
-which it looks up in the block table as it goes (online softmax, FlashAttention-style); the
+A program attends one tile of one request's queries for one KV head, over that request's keys,
+`TILE_N` at a time, whose blocks it looks up in the block table as it goes (online softmax,
+FlashAttention-style); the
 query heads of a KV head (GQA) are folded into the tile's rows, so keys and values are read once
 per group. When a step has too few (request, tile, KV head) programs to fill the GPU (decode at
 small batch), the context is split over `num_splits` programs whose partial results are merged by
@@ -33,6 +34,9 @@ import triton.language as tl
 MAX_TILE_ROWS = 64
 MAX_SPLITS = 16
 MIN_DOT = 16  # tl.dot's smallest dimension
+# Keys a program attends per iteration, gathered from as many blocks as they span: a larger
+# load than one block of 16 keeps more bytes in flight, and any block size works.
+TILE_N = 64
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -75,6 +79,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_P: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -105,27 +110,30 @@ def _paged_attention_kernel(
     ).to(DOT_DTYPE)  # [M, D]
     q_pos = num_computed + q_idx  # [M]
 
-    # The tile's last query sees keys [0, kv_len); this split takes its share of their blocks.
+    # The tile's last query sees keys [0, kv_len); this split takes its share of their tiles.
     kv_len = num_computed + tl.minimum(first_q + BLOCK_Q, query_len)
-    num_blocks = tl.cdiv(kv_len, BLOCK_SIZE)
-    per_split = tl.cdiv(num_blocks, NUM_SPLITS)
-    block_lo = split * per_split
-    block_hi = tl.minimum(block_lo + per_split, num_blocks)
+    num_tiles = tl.cdiv(kv_len, TILE_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_P], tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(block_lo, block_hi):
-        block = tl.load(block_tables_ptr + b * stride_table + j).to(tl.int64)
-        k_pos = j * BLOCK_SIZE + slots  # [N]
+    tile = tl.arange(0, TILE_N)
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * TILE_N + tile  # [N] key positions; their blocks from the block table
+        in_ctx = k_pos < kv_len
+        block = tl.load(
+            block_tables_ptr + b * stride_table + k_pos // BLOCK_SIZE, mask=in_ctx, other=0
+        ).to(tl.int64)
         offsets = (
-            block * stride_block
+            block[:, None] * stride_block
+            + (k_pos % BLOCK_SIZE)[:, None] * stride_slot
             + kv_head * stride_head
-            + slots[:, None] * stride_slot
             + dims[None, :]
         )
-        kv_mask = (k_pos < kv_len)[:, None] & dim_ok[None, :]
+        kv_mask = in_ctx[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # [N, D]
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [M, N] float32
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
@@ -257,6 +265,7 @@ def paged_attention(
         HEAD_DIM=head_dim,
         HEAD_DIM_P=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        TILE_N=TILE_N,
         BLOCK_Q=block_q,
         BLOCK_M=block_m,
         NUM_SPLITS=num_splits,

@@ -64,26 +64,23 @@ def test_pad_lists_refuses_a_step_larger_than_the_key() -> None:
 
 def test_the_cpu_path_keeps_sdpa_whatever_the_setting_allows() -> None:
     cpu = torch.device("cpu")
-    assert backend_class("auto", cpu, torch.float32, 16) is TorchSDPABackend
-    assert backend_class("sdpa", cpu, torch.float32, 16) is TorchSDPABackend
+    assert backend_class("auto", cpu, torch.float32) is TorchSDPABackend
+    assert backend_class("sdpa", cpu, torch.float32) is TorchSDPABackend
     with pytest.raises(ValueError, match="attention_backend 'triton' needs a CUDA device"):
-        backend_class("triton", cpu, torch.float32, 16)
+        backend_class("triton", cpu, torch.float32)
 
 
 @pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 def test_cuda_engines_take_triton_by_default_and_keep_sdpa_as_fallback() -> None:
     # The device is only named: nothing is allocated on it.
     cuda = torch.device("cuda")
-    assert backend_class("auto", cuda, torch.bfloat16, 16) is TritonPagedBackend
-    assert backend_class("triton", cuda, torch.float32, 32) is TritonPagedBackend
-    assert backend_class("sdpa", cuda, torch.bfloat16, 16) is TorchSDPABackend
+    assert backend_class("auto", cuda, torch.bfloat16) is TritonPagedBackend
+    assert backend_class("triton", cuda, torch.float32) is TritonPagedBackend
+    assert backend_class("sdpa", cuda, torch.bfloat16) is TorchSDPABackend
     # where the kernels do not apply, "auto" falls back and "triton" says why
-    assert backend_class("auto", cuda, torch.int8, 16) is TorchSDPABackend
-    assert backend_class("auto", cuda, torch.bfloat16, 8) is TorchSDPABackend
+    assert backend_class("auto", cuda, torch.int8) is TorchSDPABackend
     with pytest.raises(ValueError, match="float caches only"):
-        backend_class("triton", cuda, torch.float8_e4m3fn, 16)
-    with pytest.raises(ValueError, match="power of 2 >= 16"):
-        backend_class("triton", cuda, torch.bfloat16, 24)
+        backend_class("triton", cuda, torch.float8_e4m3fn)
 
 
 def test_attention_backend_setting_is_checked() -> None:
