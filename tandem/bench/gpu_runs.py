@@ -24,6 +24,7 @@ from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
 from tandem.engine.runner import ModelRunner
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+from tandem.engine.spec.heads import hf_config
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
 
@@ -161,18 +162,7 @@ def hf_decode(
     compilation; a decode step is (time of 1 + steps new tokens - time of 1) / steps."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-    )
+    config = LlamaConfig.from_dict(hf_config(cfg))
     config._attn_implementation = "sdpa"
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
