@@ -111,9 +111,9 @@ def kernel_errors(device: torch.device) -> dict[str, float]:
 def backend_errors(device: torch.device) -> dict[str, float]:
     """TritonPagedBackend against TorchSDPABackend on one mixed step (decodes, a verification, a
     chunk after a prefix hit, a fresh prompt): outputs and the KV they write; and the same step
-    padded as a CUDA graph pads it (`cuda_graphs.pad_lists`)."""
+    padded and packed as a CUDA graph takes it (`cuda_graphs.py`)."""
     from tandem.engine.attention import SeqSpec, TorchSDPABackend, TritonPagedBackend, paged_lists
-    from tandem.engine.cuda_graphs import GraphKey, pad_lists
+    from tandem.engine.cuda_graphs import GraphKey, pack, packed_metadata, packed_size, pad_lists
 
     errors = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -133,10 +133,12 @@ def backend_errors(device: torch.device) -> dict[str, float]:
         tag = str(dtype).removeprefix("torch.")
         errors[f"backend_{tag}"] = (out.float() - ref).abs().max().item()
         errors[f"backend_cache_{tag}"] = (tri_cache.float() - ref_cache.float()).abs().max().item()
-        key = GraphKey(7, 19)  # 7 requests x 19 tokens; the padding writes no KV
-        meta = TritonPagedBackend.metadata(
-            pad_lists(paged_lists(seqs, bs), key), key.query_len, 2, device
-        )
+        # As a CUDA graph runs it: 7 requests x 19 tokens, the padding writing no KV, the block
+        # tables wider than the step's, their unused columns holding block ids out of range.
+        key, max_blocks = GraphKey(7, 19), 9
+        packed = torch.full((packed_size(key, max_blocks),), 1 << 20, dtype=torch.int32)
+        pack(pad_lists(paged_lists(seqs, bs), key), packed.numpy(), key)
+        meta = packed_metadata(packed.to(device), key, max_blocks, num_splits=2)
         rows = key.num_tokens - num_tokens
         q, k, v = (torch.cat([x, x.new_zeros(rows, x.shape[1])]) for x in (q, k, v))
         padded = triton.forward(q, k, v, pad_cache, meta)[:num_tokens]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tandem.engine.attention import (
@@ -76,6 +77,31 @@ def pad_lists(lists: PagedLists, key: GraphKey) -> PagedLists:
     )
 
 
+def packed_size(key: GraphKey, max_blocks: int) -> int:
+    return key.num_tokens + 2 * key.num_reqs + 1 + key.num_reqs * max_blocks
+
+
+def packed_metadata(
+    buffer: torch.Tensor, key: GraphKey, max_blocks: int, num_splits: int
+) -> PagedMetadata:
+    """The metadata a graph reads, as views of one int32 buffer of `packed_size`: slot mapping,
+    query starts, context lengths, block tables `[num_reqs, max_blocks]`."""
+    n, b = key.num_tokens, key.num_reqs
+    slots, starts, lens, tables = buffer.split([n, b + 1, b, b * max_blocks])
+    return PagedMetadata(
+        slots, None, [], tables.view(b, max_blocks), starts, lens, key.query_len, num_splits
+    )
+
+
+def pack(lists: PagedLists, buffer: np.ndarray, key: GraphKey) -> None:
+    """Write `lists` (padded to `key`) into `buffer` as `packed_metadata` reads it; a table's
+    columns beyond its request's blocks keep what they held (never read)."""
+    ints = lists.slot_mapping + lists.query_starts + lists.context_lens
+    buffer[: len(ints)] = ints
+    width = len(lists.block_tables[0])
+    buffer[len(ints) :].reshape(key.num_reqs, -1)[:, :width] = lists.block_tables
+
+
 class _Graph:
     """One captured step: its static inputs, its metadata (views of them), its output."""
 
@@ -83,16 +109,16 @@ class _Graph:
         self, key: GraphKey, max_blocks: int, num_splits: int, device: torch.device
     ) -> None:
         self.key = key
-        n, b = key.num_tokens, key.num_reqs
+        n = key.num_tokens
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        # slot mapping, query starts, context lengths: one buffer, one copy a step
-        self.ints = torch.zeros(n + 2 * b + 1, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(b, max_blocks, dtype=torch.int32, device=device)
-        slots, starts, lens = self.ints.split([n, b + 1, b])
-        self.meta = PagedMetadata(
-            slots, None, [], self.block_tables, starts, lens, key.query_len, num_splits
-        )
+        # the metadata in one buffer, filled in pinned host memory and copied without waiting
+        # (the step's one wait is for its sampled tokens)
+        size = packed_size(key, max_blocks)
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
+        self.ints = torch.zeros(size, dtype=torch.int32, device=device)
+        self.copied = torch.cuda.Event()  # the last copy out of `host`
+        self.meta = packed_metadata(self.ints, key, max_blocks, num_splits)
         self.graph = torch.cuda.CUDAGraph()
         self.hidden: torch.Tensor | None = None  # [n, hidden], the graph's output
 
@@ -106,10 +132,10 @@ class _Graph:
         self.load_lists(lists)
 
     def load_lists(self, lists: PagedLists) -> None:
-        ints = lists.slot_mapping + lists.query_starts + lists.context_lens
-        self.ints.copy_(torch.tensor(ints, dtype=torch.int32))
-        width = len(lists.block_tables[0])
-        self.block_tables[:, :width].copy_(torch.tensor(lists.block_tables, dtype=torch.int32))
+        self.copied.synchronize()  # done long ago: the previous step waited for its tokens
+        pack(lists, self.host.numpy(), self.key)
+        self.ints.copy_(self.host, non_blocking=True)
+        self.copied.record()
 
 
 class CudaGraphs:

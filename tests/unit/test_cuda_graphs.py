@@ -22,6 +22,9 @@ from tandem.engine.cuda_graphs import (
     batch_buckets,
     choose_key,
     graph_keys,
+    pack,
+    packed_metadata,
+    packed_size,
     pad_lists,
 )
 
@@ -52,6 +55,23 @@ def test_pad_lists_pads_tokens_and_requests_with_nothing_to_attend() -> None:
     assert padded.query_starts == [0, 1, 3, 3, 3]  # padding requests hold no token
     assert padded.context_lens == [4, 19, 0, 0]  # ... and no context
     assert pad_lists(lists, GraphKey(2, 2)).slot_mapping == [83, 33, 34, PAD_SLOT]
+
+
+def test_pack_writes_what_the_graph_metadata_reads() -> None:
+    key, max_blocks = GraphKey(4, 2), 5
+    buffer = torch.full((packed_size(key, max_blocks),), 99, dtype=torch.int32)
+    meta = packed_metadata(buffer, key, max_blocks, num_splits=2)
+    seqs = [SeqSpec(3, 1, [5]), SeqSpec(17, 2, [1, 2])]
+    pack(pad_lists(paged_lists(seqs, 16), key), buffer.numpy(), key)
+    assert meta.slot_mapping.tolist() == [83, 33, 34] + [PAD_SLOT] * 5
+    assert meta.query_starts.tolist() == [0, 1, 3, 3, 3]
+    assert meta.context_lens.tolist() == [4, 19, 0, 0]
+    # the step's columns; the rest keep what they held
+    assert (
+        meta.block_tables.tolist()
+        == [[5, 0, 99, 99, 99], [1, 2, 99, 99, 99]] + [[0, 0, 99, 99, 99]] * 2
+    )
+    assert (meta.max_query_len, meta.num_splits) == (2, 2)
 
 
 def test_pad_lists_refuses_a_step_larger_than_the_key() -> None:
