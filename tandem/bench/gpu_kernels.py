@@ -40,8 +40,9 @@ def reference_attention(
     query_lens: list[int],
     context_lens: list[int],
     scale: float,
-) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] float32
-    """Causal attention of each request's queries over its gathered context, in float32."""
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim] float32 (computed in float64)
+    """Causal attention of each request's queries over its gathered context, in float64 (so
+    that no device's attention kernel is the reference of its own kind)."""
     _, _, block_size, hkv, d = kv_cache.shape
     num_heads = q.shape[1] // d
     out = q.new_zeros(q.shape[0], num_heads * d, dtype=torch.float32)
@@ -49,14 +50,15 @@ def reference_attention(
     for table, n, ctx in zip(tables, query_lens, context_lens, strict=True):
         pos = torch.arange(ctx, device=q.device)
         blocks = torch.tensor(table, device=q.device)[pos // block_size]
-        k = kv_cache[0, blocks, pos % block_size].float()  # [ctx, hkv, d]
-        v = kv_cache[1, blocks, pos % block_size].float()
+        k = kv_cache[0, blocks, pos % block_size].double()  # [ctx, hkv, d]
+        v = kv_cache[1, blocks, pos % block_size].double()
         k = k.repeat_interleave(num_heads // hkv, dim=1).transpose(0, 1)  # [heads, ctx, d]
         v = v.repeat_interleave(num_heads // hkv, dim=1).transpose(0, 1)
-        qh = q[start : start + n].float().view(n, num_heads, d).transpose(0, 1)
-        mask = pos[None, :] <= pos[ctx - n :, None]
-        o = torch.nn.functional.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
-        out[start : start + n] = o.transpose(0, 1).reshape(n, -1)
+        qh = q[start : start + n].double().view(n, num_heads, d).transpose(0, 1)
+        scores = (qh @ k.transpose(1, 2)) * scale  # [heads, n, ctx]
+        visible = pos[None, :] <= pos[ctx - n :, None]  # [n, ctx]
+        o = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v  # [heads, n, d]
+        out[start : start + n] = o.transpose(0, 1).reshape(n, -1).float()
         start += n
     return out
 
