@@ -107,3 +107,36 @@ def test_attention_backend_setting_is_checked() -> None:
     assert ModelSettings().attention_backend == "auto"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         ModelSettings(attention_backend="flash")
+
+
+def test_steps_no_graph_holds_run_eagerly() -> None:
+    """A runner with graphs for batch 1 decodes: a batch of 2 and a prefill chunk take the eager
+    path (on CPU, where capturing would fail) and compute what a runner without graphs does."""
+    from tandem.engine.cuda_graphs import CudaGraphs
+    from tandem.engine.models.llama import LlamaForCausalLM
+    from tandem.engine.request import Request
+    from tandem.engine.runner import ModelRunner
+    from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from tandem.model_config import ModelConfig
+    from tandem.sampling_params import SamplingParams
+
+    cfg = ModelConfig("llama", 64, 32, 64, 1, 4, 2, 8, max_position_embeddings=64)
+    cpu = torch.device("cpu")
+    tokens = {}
+    for graphs in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg, TorchSDPABackend(4, 2, 8, 16), torch.float32, cpu)
+        runner = ModelRunner(model, 8, 16, torch.float32, cpu)
+        if graphs:
+            runner.graphs = CudaGraphs(model, (1,), (1,), 64)
+        params = SamplingParams(temperature=0.0)
+        a, b = Request("a", [1, 2, 3, 4, 5], params), Request("b", [6, 7], params)
+        prefill = SchedulerOutput([ScheduledRequest(a, 5), ScheduledRequest(b, 2)], [])
+        tables = {"a": [0], "b": [1]}
+        first = runner.execute(prefill, tables).tokens
+        for r in (a, b):
+            r.num_computed_tokens = r.num_tokens
+            r.append_output(first[r.request_id][0], 0.0)
+        decode = SchedulerOutput([ScheduledRequest(a, 1), ScheduledRequest(b, 1)], [])
+        tokens[graphs] = (first, runner.execute(decode, tables).tokens)
+    assert tokens[True] == tokens[False]
