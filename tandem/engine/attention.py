@@ -321,17 +321,7 @@ class TritonPagedBackend(AttentionBackend):
     def build_metadata(self, seqs: list[SeqSpec], device: torch.device) -> PagedMetadata:
         lists = paged_lists(seqs, self.block_size)
         max_q = max((s.query_len for s in seqs), default=1)
-        return self.metadata(lists, max_q, self.num_splits(len(seqs), max_q, device), device)
 
-    def num_splits(self, num_reqs: int, max_query_len: int, device: torch.device) -> int:
-        block_q, _ = self.kernels.tile_shape(max_query_len, self.num_heads // self.num_kv_heads)
-        programs = num_reqs * -(-max_query_len // block_q) * self.num_kv_heads
-        return int(self.kernels.num_splits_for(programs, device))
-
-    @staticmethod
-    def metadata(
-        lists: PagedLists, max_query_len: int, num_splits: int, device: torch.device
-    ) -> PagedMetadata:
         def tensor(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -342,9 +332,16 @@ class TritonPagedBackend(AttentionBackend):
             tensor(lists.block_tables, torch.int32),
             tensor(lists.query_starts, torch.int32),
             tensor(lists.context_lens, torch.int32),
-            max_query_len,
-            num_splits,
+            max_q,
+            self.num_splits(len(seqs), max_q, device),
         )
+
+    def num_splits(self, num_reqs: int, max_query_len: int, device: torch.device) -> int:
+        """Programs each request's context is split over (one, unless the step has too few
+        programs to fill the GPU)."""
+        block_q, _ = self.kernels.tile_shape(max_query_len, self.num_heads // self.num_kv_heads)
+        programs = num_reqs * -(-max_query_len // block_q) * self.num_kv_heads
+        return int(self.kernels.num_splits_for(programs, device))
 
     def forward(
         self,
