@@ -10,6 +10,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tandem.structured import StructuredOutput
+
 # A temperature below this samples greedily: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
@@ -39,6 +41,9 @@ class SamplingParams:
     # the last `output_offset` prompt tokens. Seeded draws continue at that output position
     # and the presence/frequency penalties count them as output.
     output_offset: int = 0
+    # Constrained decoding (JSON schema, regex, choice, grammar): every token, the first one
+    # sampled on a prefill worker included, is masked to what the grammar allows next.
+    structured_output: StructuredOutput | None = None
 
     def resolved_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """These parameters with a number for max_tokens: None becomes the room the context
@@ -101,6 +106,12 @@ class SamplingParams:
             raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.structured_output is not None:
+            # The grammar decides where the output ends: EOS once it is complete, and only then.
+            if self.min_tokens:
+                raise ValueError("min_tokens must be 0 with a structured output")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured output")
 
 
 def validate_prompt_token_ids(

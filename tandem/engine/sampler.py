@@ -1,7 +1,8 @@
 """Batched sampling of one token per request from the logits of one engine step.
 
 The stages are separate functions because speculative decoding needs the processed distribution:
-`apply_penalties` (repetition/presence/frequency, min_tokens) -> `processed_probs` (temperature,
+`apply_penalties` (repetition/presence/frequency, min_tokens, a structured output's token mask)
+-> `processed_probs` (temperature,
 top-k, top-p, min-p; greedy rows one-hot) -> `sample_from_probs` (exponential race). `Sampler`
 chains them and adds logprobs of the raw model distribution. A `SamplingBatch` holds only the
 tensors some request in the step needs: an all-greedy batch without penalties costs one argmax.
@@ -54,6 +55,7 @@ class SamplingBatch:
     prompt_mask: Tensor | None  # [num_reqs, vocab] bool; only with repetition_penalty
     output_counts: Tensor | None  # [num_reqs, vocab] float
     banned: tuple[Tensor, Tensor] | None  # ([num_banned] rows, [num_banned] token ids)
+    allowed: Tensor | None  # [num_reqs, vocab] bool: what each row's grammar allows next
     num_logprobs: tuple[int | None, ...]  # per row, as requested
     max_num_logprobs: int | None  # None: no row wants logprobs
 
@@ -67,8 +69,10 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         eos_token_ids: Sequence[int] = (),
+        allowed: Tensor | None = None,
     ) -> SamplingBatch:
-        """One row per request; `generators` from `request_generator`, histories as token ids."""
+        """One row per request; `generators` from `request_generator`, histories as token ids,
+        `allowed` from `tandem.engine.grammar.token_masks` (None: no row is constrained)."""
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
 
@@ -142,6 +146,7 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             banned=banned,
+            allowed=allowed,
             num_logprobs=num_logprobs,
             max_num_logprobs=min(max(requested), vocab_size) if requested else None,
         )
@@ -162,7 +167,8 @@ def _token_counts(
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Repetition (HF), presence/frequency (OpenAI) penalties and min_tokens suppression.
+    """Repetition (HF), presence/frequency (OpenAI) penalties, min_tokens suppression, and the
+    structured outputs' masks (greedy rows then take the best allowed token).
 
     logits: [num_reqs, vocab]; returns a new tensor, or `logits` itself when nothing applies.
     """
@@ -177,6 +183,8 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
         logits = logits - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
     return logits
 
 
