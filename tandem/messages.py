@@ -57,7 +57,9 @@ def structured_to_proto(so: StructuredOutput) -> api_pb2.StructuredOutput:
         return api_pb2.StructuredOutput(json_object=True)
     if so.kind == "choice":
         return api_pb2.StructuredOutput(choice=api_pb2.Choices(choices=json.loads(so.spec)))
-    return api_pb2.StructuredOutput(**{so.kind: so.spec})
+    msg = api_pb2.StructuredOutput()
+    setattr(msg, so.kind, so.spec)  # json_schema, regex or grammar: a string
+    return msg
 
 
 def worker_sampling(request: worker_pb2.WorkerRequest) -> SamplingParams:

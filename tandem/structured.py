@@ -28,7 +28,7 @@ _JSON_OPTIONS: Any = {"whitespace_flexible": False}
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """One constraint on a request's output. `spec` is the schema as canonical JSON text, the
+    """One constraint on a request's output. `spec` is the schema as compact JSON text, the
     regex, the choices as a JSON list, the Lark grammar, or "" for any JSON object; `source` is the
     request field it came from, named in errors."""
 
@@ -46,7 +46,8 @@ class StructuredOutput:
                 raise ValueError(f"{source}: the schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"{source}: the schema must be a JSON object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")), source)
+        # Compact, keys in the order given: the output's properties follow the schema's order.
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), source)
 
     @classmethod
     def choice(cls, choices: list[str], source: str) -> StructuredOutput:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from functools import cached_property
 
 import llguidance
+import numpy as np
 import torch
 from llguidance.torch import fill_next_token_bitmask
 from torch import Tensor
@@ -137,6 +138,6 @@ def token_masks(
         if matcher is not None:
             matcher.fill_rows(bitmask, row, drafts)
         row += 1 + len(drafts)
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [num_rows, words, 32]
-    return bits.view(num_rows, -1)[:, :vocab_size].bool().to(device)
+    # numpy unpacks bits about 100x faster than torch's shifts on CPU (tandem bench grammar).
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab_size]).view(torch.bool).to(device)
