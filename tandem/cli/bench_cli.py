@@ -31,7 +31,7 @@ def bench_grammar(
     json_out: JsonOutOpt = None,
 ) -> None:
     """Structured outputs: per-token mask cost of llguidance (and xgrammar, if installed)."""
-    from tandem.bench.grammar import run_grammar_bench
+    from tandem.bench.grammar_bench import run_grammar_bench
 
     run_grammar_bench(model, rounds, json_out, console)
 
