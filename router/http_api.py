@@ -109,6 +109,7 @@ class _Sampling(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
 
     def structured_output(self) -> StructuredOutput | None:
         """The one structured output the request asks for (400 naming the second if two)."""
@@ -176,7 +177,15 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=self.structured_output(),
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """The bias per token id; SamplingParams.validate checks the ids and the range."""
+        try:
+            return tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items()))
+        except ValueError:
+            raise invalid("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
     @property
     def include_usage(self) -> bool:

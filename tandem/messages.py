@@ -34,6 +34,7 @@ def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         structured_output=structured_from_proto(msg.structured_output),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -74,6 +75,7 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
     )
     for name in _FLOAT_FIELDS:
         setattr(msg, name, getattr(params, name))

@@ -316,3 +316,31 @@ def test_grpc_invalid_structured_output_is_invalid_argument(smol: LocalCluster) 
     )
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "structured_output" in (e.details() or "")
+
+
+# -- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_steers_the_output_and_bad_biases_are_400(
+    url: str, client: openai.OpenAI
+) -> None:
+    token = http_post(f"{url}/tokenize", {"prompt": " zebra"}).json()["tokens"][0]
+    text = http_post(f"{url}/detokenize", {"tokens": [token] * 3}).json()["prompt"]
+    r = client.completions.create(
+        model=SMOL,
+        prompt="The capital of France is",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(token): 100},
+    )
+    assert r.choices[0].text == text
+    for bias, message in [
+        ({str(token): 101}, "[-100, 100]"),
+        ({"49152": 1}, "token ids"),
+        ({"zebra": 1}, "integers"),
+    ]:
+        body = {"model": SMOL, "messages": CHAT, "max_tokens": 1, "logit_bias": bias}
+        r = http_post(f"{url}/v1/chat/completions", body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "logit_bias" and message in error["message"], error

@@ -33,3 +33,8 @@ def test_every_structured_output_kind_round_trips() -> None:
         assert back.structured_output == so
     assert kinds[0].spec == '{"type":"object","properties":{"b":{},"a":{}}}'  # order kept
     assert sampling_from_proto(api_pb2.SamplingOptions()).structured_output is None
+
+
+def test_logit_bias_round_trips() -> None:
+    params = SamplingParams(logit_bias=((3, -100.0), (17, 2.5)))
+    assert sampling_from_proto(sampling_to_proto(params)).logit_bias == params.logit_bias
