@@ -12,10 +12,12 @@ A constrained request's matcher, from its admission to its end:
     a kept token   advances it (`Request.append_output`), the prefill worker's first token
                    included on the decode side; a preempted request keeps its output and so its
                    matcher, and recomputes its KV only
-    drafts         one-hot drafts (n-gram) are cut at the first token the grammar refuses: the
-                   verifier would reject it for sure and sample from the masked target instead.
-                   Sampled drafts (a draft model) are verified as they are: the masked target
-                   gives a refused draft probability 0, so it is rejected, exactly.
+    drafts         the tokens the grammar forces next are drafts for free (they replace a
+                   proposer's drafts that do not begin with them); one-hot drafts (n-gram) are
+                   cut at the first token the grammar refuses: the verifier would reject it for
+                   sure and sample from the masked target instead. Sampled drafts (a draft
+                   model) are verified as they are: the masked target gives a refused draft
+                   probability 0, so it is rejected, exactly.
 
 When the grammar is complete only EOS is allowed, so the request stops on EOS. A matcher in an
 error state (it cannot happen for tokens sampled under its own masks) allows EOS only.
@@ -52,6 +54,20 @@ class GrammarMatcher:
     def valid_prefix(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids`, from the first, the grammar accepts in a row."""
         return int(self.matcher.validate_tokens(list(token_ids)))
+
+    def drafts(
+        self, token_ids: list[int], probs: Tensor | None, k: int
+    ) -> tuple[list[int], Tensor | None]:
+        """A proposer's drafts (`probs` None: one-hot) as this request verifies them: the tokens
+        the grammar forces next replace drafts that do not begin with them (free drafts: the
+        verifier keeps each with its target probability, 1 where the mask allows only it); then
+        one-hot drafts are cut at the first token the grammar refuses. At most k tokens."""
+        forced = list(self.matcher.compute_ff_tokens())[:k]
+        if forced and token_ids[: len(forced)] != forced:
+            token_ids, probs = forced, None
+        if probs is None:
+            token_ids = token_ids[: self.valid_prefix(token_ids)]
+        return token_ids, probs
 
     def fill_rows(self, bitmask: Tensor, first_row: int, draft_token_ids: Sequence[int]) -> None:
         """Rows first_row .. first_row + len(drafts) of `bitmask` ([rows, words] int32): what

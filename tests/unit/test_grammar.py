@@ -163,3 +163,17 @@ def test_structured_output_validation_names_the_field() -> None:
 def test_the_router_side_imports_no_torch() -> None:
     code = "import sys, tandem.structured; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_forced_tokens_are_free_drafts(tiny_llama_path: Path, tokenizer: Tokenizer) -> None:
+    pattern = r"name=[ab]{2,4};kind=(cat|dog);end"
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=regex(pattern))
+    prompts = [ids(tokenizer, "xyz"), ids(tokenizer, "qrs")]  # nothing for n-gram lookup
+    plain = run(make(tiny_llama_path), prompts, params)
+    spec_engine = make(tiny_llama_path, NGRAM)
+    assert run(spec_engine, prompts, params) == plain
+    stats = spec_engine.scheduler.spec_stats
+    # "name=", ";kind=", "at"/"og", ";end" are forced: most of them verified as drafts.
+    assert stats.num_accepted_tokens >= 10, stats
+    for out in plain:
+        assert re.fullmatch(pattern, tokenizer.decode(out[:-1])), out
