@@ -16,10 +16,11 @@ them in order and cycles through the pool when it needs more):
   round(`long_fraction` x n), at seeded positions, are long (`long_input_len` /
   `long_output_len`): prefill interference on the short requests. Tagged short / long.
 - `json-schema`: structured outputs against free text, side by side in one run: `num_requests`
-  chat prompts in pairs, each asking for a record as JSON; the first of a pair carries its own
-  JSON schema (a record kind's fields plus a `category` enum of seeded words, so every schema
-  differs and each is compiled once), tagged `schema`; the second the same prompt without one,
-  tagged `free`. EOS honoured (a schema ends at its closing brace); `max_tokens` from
+  chat prompts in pairs, each asking for a record as JSON; one of a pair carries its own JSON
+  schema (a record kind's fields plus a `category` enum of seeded words, so every schema
+  differs and each is compiled once), tagged `schema`; the other the same prompt without one,
+  tagged `free` (the two alternate in order, as the second finds the prompt in the prefix
+  cache). EOS honoured (a schema ends at its closing brace); `max_tokens` from
   `output_len`. The per-tag summary compares TPOT with and without the grammar.
 - `trace:PATH`: JSONL rows `{"timestamp": s, "input_len": n, "output_len": m}`; random token ids
   of those lengths, sent at the row's timestamp relative to the first row (a `trace` load point,
@@ -340,7 +341,10 @@ def json_schema_requests(config: WorkloadConfig, rng: random.Random) -> list[Ben
             f"{', '.join(fields)} and a category, one of {', '.join(categories)}."
         )
         n_out = out_len.sample(rng)
-        for tag, text in (("schema", json.dumps(schema)), ("free", "")):
+        pair_requests = [("schema", json.dumps(schema)), ("free", "")]
+        if pair % 2:  # the second of a pair finds its prompt in the prefix cache: alternate
+            pair_requests.reverse()
+        for tag, text in pair_requests:
             out.append(
                 BenchRequest(
                     len(out),
