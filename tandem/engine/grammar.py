@@ -79,9 +79,10 @@ class GrammarMatcher:
                 bitmask[first_row + i] = bitmask[first_row + valid]
                 continue
             if self.matcher.is_error():
-                bitmask[first_row + i] = 0
+                words = bitmask[first_row + i].numpy().view(np.uint32)  # the row, unsigned
+                words[:] = 0
                 for eos in self.eos_token_ids:
-                    bitmask[first_row + i, eos // 32] |= 1 << (eos % 32)
+                    words[eos // 32] |= np.uint32(1 << (eos % 32))
             else:
                 fill_next_token_bitmask(self.matcher, bitmask, first_row + i)
             if i < valid:

@@ -74,6 +74,17 @@ def test_a_complete_grammar_allows_only_eos(grammars: GrammarCache, tokenizer: T
     assert masks is not None and masks[0].nonzero().flatten().tolist() == [EOS]
 
 
+def test_a_matcher_in_error_allows_only_eos(tiny_llama_path: Path, tokenizer: Tokenizer) -> None:
+    eos_ids = [2, 63]  # 63: the top bit of its 32-bit word
+    grammars = GrammarCache(
+        lambda: (tiny_llama_path / "tokenizer.json").read_text(), VOCAB, eos_ids
+    )
+    matcher = grammars.matcher(regex("ab+c"), [])
+    assert not matcher.accept(ids(tokenizer, "x")[0])
+    masks = token_masks([(matcher, ())], VOCAB, CPU)
+    assert masks is not None and masks[0].nonzero().flatten().tolist() == eos_ids
+
+
 def test_an_output_the_grammar_refuses_is_a_value_error(
     grammars: GrammarCache, tokenizer: Tokenizer
 ) -> None:
