@@ -55,7 +55,8 @@ class StructuredOutput:
 
     @cached_property
     def grammar(self) -> str:
-        """The llguidance grammar (its JSON form) that the output must match."""
+        """The llguidance grammar (its JSON form) that the output must match; ValueError, naming
+        `source`, for a GBNF grammar that cannot be read."""
         grammar_from = llguidance.LLMatcher
         if self.kind == "json_schema":
             return grammar_from.grammar_from_json_schema(self.spec, defaults=_JSON_OPTIONS)
@@ -67,7 +68,11 @@ class StructuredOutput:
             # Lark string literals take JSON's escapes, so json.dumps quotes any choice.
             alternatives = " | ".join(json.dumps(c) for c in json.loads(self.spec))
             return grammar_from.grammar_from_lark(f"start: {alternatives}")
-        return grammar_from.grammar_from_lark(any_to_lark(self.spec))  # GBNF (`root ::=`) too
+        try:
+            lark = any_to_lark(self.spec)  # GBNF (`root ::=`) too
+        except GbnfToLarkError as e:
+            raise ValueError(f"{self.source}: invalid grammar: {e}") from None
+        return grammar_from.grammar_from_lark(lark)
 
     def validate(self) -> None:
         """Raise ValueError, naming `source`, unless llguidance accepts the constraint."""
@@ -79,9 +84,6 @@ class StructuredOutput:
                 raise ValueError(f"{self.source}: give at least one choice, none of them empty")
         if self.kind in ("regex", "grammar") and not self.spec:
             raise ValueError(f"{self.source}: the {self.kind} must not be empty")
-        try:
-            error = llguidance.LLMatcher.validate_grammar(self.grammar)
-        except (ValueError, GbnfToLarkError) as e:
-            error = str(e)
+        error = llguidance.LLMatcher.validate_grammar(self.grammar)  # ValueError from grammar
         if error:
             raise ValueError(f"{self.source}: invalid {self.kind.replace('_', ' ')}: {error}")
