@@ -188,3 +188,30 @@ def test_forced_tokens_are_free_drafts(tiny_llama_path: Path, tokenizer: Tokeniz
     assert stats.num_accepted_tokens >= 10, stats
     for out in plain:
         assert re.fullmatch(pattern, tokenizer.decode(out[:-1])), out
+
+
+@pytest.mark.parametrize(
+    ("structured", "pattern"),
+    [
+        (
+            StructuredOutput("grammar", 'root ::= [ab]{2,5} "=" ("yes" | "no")'),
+            r"[ab]{2,5}=(yes|no)",
+        ),
+        (
+            StructuredOutput("grammar", 'start: /[ab]{2,5}/ "=" ("yes" | "no")'),
+            r"[ab]{2,5}=(yes|no)",
+        ),
+        (StructuredOutput.choice(["cat", "dog", 'say "hi"'], "guided_choice"), r'cat|dog|say "hi"'),
+    ],
+    ids=["gbnf", "lark", "choice"],
+)
+def test_grammars_and_choices_constrain_the_tiny_model(
+    tiny_llama_path: Path,
+    tokenizer: Tokenizer,
+    prompts: list[list[int]],
+    structured: StructuredOutput,
+    pattern: str,
+) -> None:
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=7, structured_output=structured)
+    for out in run(make(tiny_llama_path), prompts, params):
+        assert out[-1] == EOS and re.fullmatch(pattern, tokenizer.decode(out[:-1])), out
