@@ -70,6 +70,35 @@ class _ResponseFormat(BaseModel):
     json_schema: _JsonSchemaFormat | None = None
 
 
+class _StructuredOutputs(BaseModel):
+    """vLLM's newer `structured_outputs` (its guided_* fields under one object): one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        name = "structured_outputs"
+        given = [k for k, v in self.model_dump(by_alias=True).items() if v not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"{name}: give exactly one of json, regex, choice, grammar, json_object"
+            )
+        if self.json_ is not None:
+            return StructuredOutput.json_schema(self.json_, name)
+        if self.choice is not None:
+            return StructuredOutput.choice(self.choice, name)
+        if self.json_object:
+            return StructuredOutput("json_object", source=name)
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex, name)
+        return StructuredOutput("grammar", self.grammar or "", name)
+
+
 class _Sampling(BaseModel):
     """The fields both endpoints share. Any other field is a 400 naming it: nothing a client
     sends is silently ignored (docs/api.md lists every field)."""
@@ -103,19 +132,26 @@ class _Sampling(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Structured outputs: OpenAI's response_format, or one of vLLM's guided_* fields.
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* or structured_outputs.
     response_format: _ResponseFormat | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: _StructuredOutputs | None = None
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
 
     def structured_output(self) -> StructuredOutput | None:
         """The one structured output the request asks for (400 naming the second if two)."""
         given = [
             name
-            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            for name in (
+                "guided_json",
+                "guided_regex",
+                "guided_choice",
+                "guided_grammar",
+                "structured_outputs",
+            )
             if getattr(self, name) is not None
         ]
         if self.response_format is not None and self.response_format.type != "text":
@@ -130,6 +166,8 @@ class _Sampling(BaseModel):
             raise invalid(str(e), given[0]) from None
 
     def _structured(self, name: str) -> StructuredOutput:
+        if self.structured_outputs is not None and name == "structured_outputs":
+            return self.structured_outputs.structured_output()
         if name == "guided_json":
             return StructuredOutput.json_schema(self.guided_json, name)
         if name == "guided_regex":

@@ -231,12 +231,12 @@ def test_json_schema_output_validates_for_20_prompts(client: openai.OpenAI) -> N
 
 def test_choice_regex_and_json_object(client: openai.OpenAI) -> None:
     choices = ["yes", "no", "maybe"]
-    for _ in range(2):
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
         r = client.chat.completions.create(
             model=SMOL,
             messages=[{"role": "user", "content": "Is the sky green?"}],
             max_tokens=5,
-            extra_body={"guided_choice": choices},
+            extra_body=extra,
         )
         assert r.choices[0].message.content in choices
     regex = r"[A-Z][a-z]{2,8} [0-9]{1,2}"
@@ -302,6 +302,8 @@ def test_grpc_structured_output_is_constrained_from_the_prefill_worker_on(
             "guided_regex",
         ),
         ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ],
 )
 def test_an_invalid_structured_output_is_400_naming_the_field(
