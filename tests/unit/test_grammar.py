@@ -115,14 +115,16 @@ def prompts(tokenizer: Tokenizer) -> list[list[int]]:
     return [ids(tokenizer, t) for t in ("abca-abcab-cabc-ab", "ccaab-ba-ccaab-b", "b-a-bbbb-a")]
 
 
-def test_constrained_greedy_is_the_same_with_ngram_drafts(
-    tiny_llama_path: Path, tokenizer: Tokenizer, prompts: list[list[int]]
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "layerskip", "num_layers": 1}], ids=str)
+def test_constrained_greedy_is_the_same_with_drafts(
+    tiny_llama_path: Path, tokenizer: Tokenizer, prompts: list[list[int]], spec: dict
 ) -> None:
+    """n-gram drafts (one-hot, cut at the grammar) and a self-draft's (the model's first layer,
+    drafts outside the grammar rejected by the masked target)."""
     params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=regex(REGEX))
     plain = run(make(tiny_llama_path), prompts, params)
-    spec_engine = make(tiny_llama_path, NGRAM)
-    spec = run(spec_engine, prompts, params)
-    assert spec == plain
+    spec_engine = make(tiny_llama_path, spec)
+    assert run(spec_engine, prompts, params) == plain
     assert spec_engine.scheduler.spec_stats.num_draft_tokens > 0
     for out in plain:
         assert out[-1] == EOS and re.fullmatch(REGEX, tokenizer.decode(out[:-1])), out
@@ -131,11 +133,12 @@ def test_constrained_greedy_is_the_same_with_ngram_drafts(
     assert free != plain
 
 
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "layerskip", "num_layers": 1}], ids=str)
 def test_sampled_constrained_output_matches_with_drafts(
-    tiny_llama_path: Path, tokenizer: Tokenizer, prompts: list[list[int]]
+    tiny_llama_path: Path, tokenizer: Tokenizer, prompts: list[list[int]], spec: dict
 ) -> None:
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured_output=regex(REGEX))
-    for out in run(make(tiny_llama_path, NGRAM), prompts * 2, params):
+    for out in run(make(tiny_llama_path, spec), prompts * 2, params):
         assert out[-1] == EOS and re.fullmatch(REGEX, tokenizer.decode(out[:-1])), out
 
 
