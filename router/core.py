@@ -236,6 +236,12 @@ class Router:
             if message.startswith("prompt"):  # name the field the client actually sent
                 message = prompt_field + message.removeprefix("prompt")
             raise invalid(message) from None
+        structured = params.structured_output
+        if structured is not None:
+            try:  # llguidance, without torch: the workers compile what passes here
+                structured.validate()
+            except ValueError as e:
+                raise invalid(str(e), structured.source) from None
 
     def _chat_tokens(
         self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions

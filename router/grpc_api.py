@@ -75,7 +75,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             try:
                 params = sampling_from_proto(request.sampling)
             except (TypeError, ValueError) as e:
-                raise invalid(str(e), "sampling") from None
+                field = "structured_output" if "structured_output" in str(e) else "sampling"
+                raise invalid(str(e), field) from None
             prep = self.router.prepare(
                 params,
                 model=request.model,

@@ -32,6 +32,7 @@ from router.relay import Delta
 from router.router_metrics import RouterMetrics
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
+from tandem.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -51,6 +52,51 @@ class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class _JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = ""
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the schema is always enforced
+
+
+class _ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchemaFormat | None = None
+
+
+class _StructuredOutputs(BaseModel):
+    """vLLM's newer `structured_outputs` (its guided_* fields under one object): one of these."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def structured_output(self) -> StructuredOutput:
+        name = "structured_outputs"
+        given = [k for k, v in self.model_dump(by_alias=True).items() if v not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"{name}: give exactly one of json, regex, choice, grammar, json_object"
+            )
+        if self.json_ is not None:
+            return StructuredOutput.json_schema(self.json_, name)
+        if self.choice is not None:
+            return StructuredOutput.choice(self.choice, name)
+        if self.json_object:
+            return StructuredOutput("json_object", source=name)
+        if self.regex is not None:
+            return StructuredOutput("regex", self.regex, name)
+        return StructuredOutput("grammar", self.grammar or "", name)
 
 
 class _Sampling(BaseModel):
@@ -86,6 +132,57 @@ class _Sampling(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* or structured_outputs.
+    response_format: _ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: _StructuredOutputs | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one structured output the request asks for (400 naming the second if two)."""
+        given = [
+            name
+            for name in (
+                "guided_json",
+                "guided_regex",
+                "guided_choice",
+                "guided_grammar",
+                "structured_outputs",
+            )
+            if getattr(self, name) is not None
+        ]
+        if self.response_format is not None and self.response_format.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise invalid(f"give one structured output, not {' and '.join(given)}", given[1])
+        if not given:
+            return None
+        try:
+            return self._structured(given[0])
+        except ValueError as e:
+            raise invalid(str(e), given[0]) from None
+
+    def _structured(self, name: str) -> StructuredOutput:
+        if self.structured_outputs is not None and name == "structured_outputs":
+            return self.structured_outputs.structured_output()
+        if name == "guided_json":
+            return StructuredOutput.json_schema(self.guided_json, name)
+        if name == "guided_regex":
+            return StructuredOutput("regex", self.guided_regex or "", name)
+        if name == "guided_choice":
+            return StructuredOutput.choice(self.guided_choice or [], name)
+        if name == "guided_grammar":
+            return StructuredOutput("grammar", self.guided_grammar or "", name)
+        assert self.response_format is not None
+        if self.response_format.type == "json_object":
+            return StructuredOutput("json_object", source=name)
+        form = self.response_format.json_schema
+        if form is None or form.schema_ is None:
+            raise ValueError("response_format: json_schema needs json_schema.schema")
+        return StructuredOutput.json_schema(form.schema_, name)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
         if self.n != 1:
@@ -117,7 +214,16 @@ class _Sampling(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=self.structured_output(),
+            logit_bias=self._logit_bias(),
         )
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """The bias per token id; SamplingParams.validate checks the ids and the range."""
+        try:
+            return tuple(sorted((int(t), b) for t, b in (self.logit_bias or {}).items()))
+        except ValueError:
+            raise invalid("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
     @property
     def include_usage(self) -> bool:

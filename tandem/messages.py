@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
+from tandem.structured import StructuredOutput
 from tandem.v1 import api_pb2, worker_pb2
 
 _FLOAT_FIELDS = (
@@ -31,8 +33,34 @@ def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
+        structured_output=structured_from_proto(msg.structured_output),
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def structured_from_proto(msg: api_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set; a JSON schema keeps its text as sent (`validate` parses it)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput.choice(list(msg.choice.choices), "structured_output")
+    if kind == "json_schema":
+        return StructuredOutput.json_schema(msg.json_schema, "structured_output")
+    return StructuredOutput(kind, getattr(msg, kind))
+
+
+def structured_to_proto(so: StructuredOutput) -> api_pb2.StructuredOutput:
+    if so.kind == "json_object":
+        return api_pb2.StructuredOutput(json_object=True)
+    if so.kind == "choice":
+        return api_pb2.StructuredOutput(choice=api_pb2.Choices(choices=json.loads(so.spec)))
+    msg = api_pb2.StructuredOutput()
+    setattr(msg, so.kind, so.spec)  # json_schema, regex or grammar: a string
+    return msg
 
 
 def worker_sampling(request: worker_pb2.WorkerRequest) -> SamplingParams:
@@ -47,6 +75,7 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
     )
     for name in _FLOAT_FIELDS:
         setattr(msg, name, getattr(params, name))
@@ -56,6 +85,8 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return msg
 
 

@@ -10,9 +10,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from tandem.structured import StructuredOutput
+
 # A temperature below this samples greedily: dividing logits by it would overflow float32.
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,11 @@ class SamplingParams:
     # the last `output_offset` prompt tokens. Seeded draws continue at that output position
     # and the presence/frequency penalties count them as output.
     output_offset: int = 0
+    # Constrained decoding (JSON schema, regex, choice, grammar): every token, the first one
+    # sampled on a prefill worker included, is masked to what the grammar allows next.
+    structured_output: StructuredOutput | None = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before the penalties.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def resolved_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """These parameters with a number for max_tokens: None becomes the room the context
@@ -101,6 +109,21 @@ class SamplingParams:
             raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"logit_bias token ids must be in [0, {vocab_size}), got {token_id}"
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100], got {bias} for token {token_id}"
+                )
+        if self.structured_output is not None:
+            # The grammar decides where the output ends: EOS once it is complete, and only then.
+            if self.min_tokens:
+                raise ValueError("min_tokens must be 0 with a structured output")
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a structured output")
 
 
 def validate_prompt_token_ids(

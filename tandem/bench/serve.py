@@ -126,6 +126,9 @@ class HttpClient:
         }
         if c.temperature > 0:
             body["seed"] = c.seed + request.index
+        if request.json_schema:
+            schema = {"name": "record", "schema": json.loads(request.json_schema), "strict": True}
+            body["response_format"] = {"type": "json_schema", "json_schema": schema}
         if request.messages:
             body["messages"] = [{"role": r, "content": t} for r, t in request.messages]
             return "/v1/chat/completions", body
@@ -206,6 +209,8 @@ class GrpcClient:
         )
         if c.temperature > 0:
             sampling.seed = c.seed + request.index
+        if request.json_schema:
+            sampling.structured_output.json_schema = request.json_schema
         msg = api_pb2.GenerateRequest(model=c.model, sampling=sampling)
         if request.messages:
             msg.chat.messages.extend(

@@ -15,6 +15,13 @@ them in order and cycles through the pool when it needs more):
 - `interference`: `num_requests` short prompts (`input_len` / `output_len`) of which exactly
   round(`long_fraction` x n), at seeded positions, are long (`long_input_len` /
   `long_output_len`): prefill interference on the short requests. Tagged short / long.
+- `json-schema`: structured outputs against free text, side by side in one run: `num_requests`
+  chat prompts in pairs, each asking for a record as JSON; one of a pair carries its own JSON
+  schema (a record kind's fields plus a `category` enum of seeded words, so every schema
+  differs and each is compiled once), tagged `schema`; the other the same prompt without one,
+  tagged `free` (the two alternate in order, as the second finds the prompt in the prefix
+  cache). EOS honoured (a schema ends at its closing brace); `max_tokens` from
+  `output_len`. The per-tag summary compares TPOT with and without the grammar.
 - `trace:PATH`: JSONL rows `{"timestamp": s, "input_len": n, "output_len": m}`; random token ids
   of those lengths, sent at the row's timestamp relative to the first row (a `trace` load point,
   optionally capped at `concurrency`; given a rate, the trace's lengths arrive at that rate).
@@ -49,7 +56,7 @@ from typing import Any
 from tandem.bench.serving_metrics import Timeline
 from tandem.data import SPECBENCH_CATEGORIES, SPECBENCH_PATH
 
-WORKLOADS = ("specbench", "random", "shared-prefix", "interference", "trace")
+WORKLOADS = ("specbench", "random", "shared-prefix", "interference", "json-schema", "trace")
 DEFAULT_POOL = 100  # generated workloads without --num-requests
 
 
@@ -133,6 +140,7 @@ class BenchRequest:
     tag: str = ""  # category, group, short/long: summaries are also given per tag
     source: str = ""  # e.g. "specbench:81"
     arrival_s: float | None = None  # trace replay: offset from the first row
+    json_schema: str = ""  # a structured output's schema (JSON text); "": free text
 
     def __post_init__(self) -> None:
         if bool(self.prompt_token_ids) == bool(self.messages):
@@ -216,7 +224,7 @@ class WorkloadConfig:
 
     @property
     def needs_vocab(self) -> bool:
-        return self.kind != "specbench"
+        return self.kind not in ("specbench", "json-schema")
 
 
 def build_workload(
@@ -227,6 +235,8 @@ def build_workload(
     rng = random.Random(config.seed)
     if config.kind == "specbench":
         pool = specbench_requests(config, rng)
+    elif config.kind == "json-schema":
+        pool = json_schema_requests(config, rng)
     else:
         if vocab_size is None or vocab_size < 1:
             raise WorkloadError(f"the {config.kind} workload needs the vocabulary size")
@@ -271,6 +281,81 @@ def specbench_requests(config: WorkloadConfig, rng: random.Random) -> list[Bench
         )
         for i, row in enumerate(rows)
     ]
+
+
+# A record kind: its fields and their JSON types.
+_RECORDS: dict[str, dict[str, str]] = {
+    "person": {"name": "string", "age": "integer", "city": "string", "employed": "boolean"},
+    "product": {"title": "string", "price": "number", "in_stock": "boolean", "sku": "string"},
+    "book": {"title": "string", "author": "string", "year": "integer", "pages": "integer"},
+    "event": {"name": "string", "venue": "string", "day": "integer", "sold_out": "boolean"},
+}
+_CATEGORY_WORDS = [
+    "alpha",
+    "bravo",
+    "cobalt",
+    "delta",
+    "ember",
+    "fjord",
+    "garnet",
+    "harbor",
+    "indigo",
+    "jasper",
+    "koala",
+    "lumen",
+    "maple",
+    "nova",
+    "onyx",
+    "pebble",
+    "quartz",
+    "raven",
+    "sierra",
+    "tundra",
+    "umber",
+    "violet",
+    "willow",
+    "xenon",
+    "yarrow",
+    "zephyr",
+]
+
+
+def json_schema_requests(config: WorkloadConfig, rng: random.Random) -> list[BenchRequest]:
+    out_len = LengthDist.parse(config.output_len)
+    out: list[BenchRequest] = []
+    for pair in range(((config.num_requests or DEFAULT_POOL) + 1) // 2):
+        kind = rng.choice(sorted(_RECORDS))
+        fields = _RECORDS[kind]
+        categories = rng.sample(_CATEGORY_WORDS, 3)
+        schema = {
+            "type": "object",
+            "properties": {
+                **{name: {"type": t} for name, t in fields.items()},
+                "category": {"enum": categories},
+            },
+            "required": [*fields, "category"],
+            "additionalProperties": False,
+        }
+        prompt = (
+            f"Invent a {kind} (record {pair}) and answer in JSON with the fields "
+            f"{', '.join(fields)} and a category, one of {', '.join(categories)}."
+        )
+        n_out = out_len.sample(rng)
+        pair_requests = [("schema", json.dumps(schema)), ("free", "")]
+        if pair % 2:  # the second of a pair finds its prompt in the prefix cache: alternate
+            pair_requests.reverse()
+        for tag, text in pair_requests:
+            out.append(
+                BenchRequest(
+                    len(out),
+                    n_out,
+                    messages=(("user", prompt),),
+                    ignore_eos=False,
+                    tag=tag,
+                    json_schema=text,
+                )
+            )
+    return out[: config.num_requests or DEFAULT_POOL]
 
 
 def _ignore_eos(config: WorkloadConfig) -> bool:

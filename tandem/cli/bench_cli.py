@@ -24,6 +24,18 @@ bench_app.command("spec")(bench_spec)
 bench_app.command("quant")(bench_quant)
 
 
+@bench_app.command("grammar")
+def bench_grammar(
+    model: ModelOpt = DEFAULT_MODEL,
+    rounds: Annotated[int, typer.Option(help="Passes over each schema's answer.")] = 20,
+    json_out: JsonOutOpt = None,
+) -> None:
+    """Structured outputs: per-token mask cost of llguidance (and xgrammar, if installed)."""
+    from tandem.bench.grammar_bench import run_grammar_bench
+
+    run_grammar_bench(model, rounds, json_out, console)
+
+
 @bench_app.command("engine")
 def bench_engine(
     model: ModelOpt = DEFAULT_MODEL,

@@ -32,7 +32,8 @@ Model = Annotated[str, typer.Option(help="The requests' model field ('' = the cl
 Workload = Annotated[
     str,
     typer.Option(
-        help="specbench[:cat,...] | random | shared-prefix | interference | trace:PATH.jsonl"
+        help="specbench[:cat,...] | random | shared-prefix | interference | json-schema | "
+        "trace:PATH.jsonl"
     ),
 ]
 NumRequests = Annotated[

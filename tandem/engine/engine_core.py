@@ -19,6 +19,7 @@ from tandem import hub
 from tandem.config import EngineConfig
 from tandem.engine.dtypes import model_device
 from tandem.engine.executor import load_executor
+from tandem.engine.grammar import GrammarCache
 from tandem.engine.kv_cache import KVCacheManager
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import request_generator
@@ -26,6 +27,7 @@ from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.spec.decoder import StepKind, make_spec_decoder
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.tokenizer import tokenizer_dir
 
 
 @dataclass
@@ -69,6 +71,11 @@ class EngineCore:
         self.spec_decoder = make_spec_decoder(
             config, self.runner, self.kv_cache, self.scheduler, self.max_model_len
         )
+        self.grammars = GrammarCache(
+            lambda: (tokenizer_dir(self.model_path) / "tokenizer.json").read_text(),
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+        )
 
     def add_request(
         self,
@@ -106,6 +113,11 @@ class EngineCore:
                 f"{self.kv_cache.num_blocks} (raise cache memory or lower max_tokens)"
             )
         generator = request_generator(params.seed, model_device(self.config.model))
+        grammar = None
+        if params.structured_output is not None:
+            # A resumed request's output so far ends its prompt: the matcher starts after it.
+            output = prompt_token_ids[len(prompt_token_ids) - params.output_offset :]
+            grammar = self.grammars.matcher(params.structured_output, output)
         req = Request(
             request_id,
             list(prompt_token_ids),
@@ -113,6 +125,7 @@ class EngineCore:
             priority,
             generator=generator,
             speculative=speculative,
+            grammar=grammar,
         )
         self.scheduler.add(req)
         return req

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.grammar import GrammarMatcher
 from tandem.engine.spec.adaptive import Acceptance
 from tandem.sampling_params import SamplingParams
 
@@ -62,6 +63,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] q; None: one-hot
     spec_acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafts, per token
+    grammar: GrammarMatcher | None = None  # a structured output's matcher, at the output's end
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -78,6 +80,8 @@ class Request:
     def append_output(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)  # sampled under its mask: accepted
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now

@@ -13,6 +13,7 @@ import torch
 
 from tandem.engine.attention import MAX_BATCHED_QUERY_LEN, AttentionBackend, SeqSpec
 from tandem.engine.cuda_graphs import CudaGraphs
+from tandem.engine.grammar import token_masks
 from tandem.engine.kv_quant import slot_dim
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.request import Request
@@ -160,7 +161,10 @@ class ModelRunner:
         return result
 
     def _batch(
-        self, requests: list[Request], output_ids: list[list[int]] | None = None
+        self,
+        requests: list[Request],
+        output_ids: list[list[int]] | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> SamplingBatch:
         return SamplingBatch.build(
             [r.params for r in requests],
@@ -170,10 +174,14 @@ class ModelRunner:
             self.model.cfg.vocab_size,
             self.device,
             self.eos_token_ids,
+            allowed,
         )
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request], result: StepResult) -> None:
-        batch = self._batch(reqs)
+        vocab_size = self.model.cfg.vocab_size
+        batch = self._batch(
+            reqs, allowed=token_masks([(r.grammar, ()) for r in reqs], vocab_size, self.device)
+        )
         out = self.sampler(logits, batch)
         for r, token in zip(reqs, out.token_ids.tolist(), strict=True):
             result.tokens[r.request_id] = [token]
@@ -199,7 +207,12 @@ class ModelRunner:
                 rows.append(first + i)
                 row_reqs.append(s.request)
                 row_outputs.append(s.request.output_token_ids + list(s.draft_token_ids[:i]))
-        batch = self._batch(row_reqs, row_outputs)
+        allowed = token_masks(
+            [(s.request.grammar, s.draft_token_ids) for s, _ in verify],
+            self.model.cfg.vocab_size,
+            self.device,
+        )
+        batch = self._batch(row_reqs, row_outputs, allowed)
         probs = processed_probs(apply_penalties(logits[rows], batch), batch)  # [rows, vocab]
         max_k = max(len(s.draft_token_ids) for s, _ in verify)
         target = probs.new_zeros(len(verify), max_k + 1, probs.shape[1])

@@ -1,7 +1,9 @@
 """Batched sampling of one token per request from the logits of one engine step.
 
 The stages are separate functions because speculative decoding needs the processed distribution:
-`apply_penalties` (repetition/presence/frequency, min_tokens) -> `processed_probs` (temperature,
+`apply_penalties` (logit bias, repetition/presence/frequency, min_tokens, a structured output's
+token mask)
+-> `processed_probs` (temperature,
 top-k, top-p, min-p; greedy rows one-hot) -> `sample_from_probs` (exponential race). `Sampler`
 chains them and adds logprobs of the raw model distribution. A `SamplingBatch` holds only the
 tensors some request in the step needs: an all-greedy batch without penalties costs one argmax.
@@ -54,6 +56,8 @@ class SamplingBatch:
     prompt_mask: Tensor | None  # [num_reqs, vocab] bool; only with repetition_penalty
     output_counts: Tensor | None  # [num_reqs, vocab] float
     banned: tuple[Tensor, Tensor] | None  # ([num_banned] rows, [num_banned] token ids)
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None  # ([n] rows, [n] token ids, [n] biases)
+    allowed: Tensor | None  # [num_reqs, vocab] bool: what each row's grammar allows next
     num_logprobs: tuple[int | None, ...]  # per row, as requested
     max_num_logprobs: int | None  # None: no row wants logprobs
 
@@ -67,8 +71,10 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device,
         eos_token_ids: Sequence[int] = (),
+        allowed: Tensor | None = None,
     ) -> SamplingBatch:
-        """One row per request; `generators` from `request_generator`, histories as token ids."""
+        """One row per request; `generators` from `request_generator`, histories as token ids,
+        `allowed` from `tandem.engine.grammar.token_masks` (None: no row is constrained)."""
         greedy = [p.greedy for p in params]
         all_greedy = all(greedy)
 
@@ -116,6 +122,16 @@ class SamplingBatch:
                 torch.tensor(banned_ids, dtype=torch.long, device=device),
             )
 
+        bias_rows = [row for row, p in enumerate(params) for _ in p.logit_bias]
+        logit_bias = None
+        if bias_rows:
+            pairs = [pair for p in params for pair in p.logit_bias]
+            logit_bias = (
+                torch.tensor(bias_rows, dtype=torch.long, device=device),
+                torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device),
+                torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device),
+            )
+
         num_logprobs = tuple(p.logprobs for p in params)
         requested = [n for n in num_logprobs if n is not None]
         return cls(
@@ -142,6 +158,8 @@ class SamplingBatch:
             prompt_mask=prompt_mask,
             output_counts=output_counts,
             banned=banned,
+            logit_bias=logit_bias,
+            allowed=allowed,
             num_logprobs=num_logprobs,
             max_num_logprobs=min(max(requested), vocab_size) if requested else None,
         )
@@ -162,10 +180,15 @@ def _token_counts(
 
 
 def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Repetition (HF), presence/frequency (OpenAI) penalties and min_tokens suppression.
+    """Logit bias (OpenAI; first, as vLLM adds it), repetition (HF), presence/frequency (OpenAI)
+    penalties, min_tokens suppression, and the structured outputs' masks (greedy rows then take
+    the best allowed token).
 
     logits: [num_reqs, vocab]; returns a new tensor, or `logits` itself when nothing applies.
     """
+    if batch.logit_bias is not None:
+        rows, token_ids, biases = batch.logit_bias
+        logits = logits.index_put((rows, token_ids), biases.to(logits.dtype), accumulate=True)
     if batch.repetition_penalty is not None:
         assert batch.prompt_mask is not None and batch.output_counts is not None
         seen = batch.prompt_mask | (batch.output_counts > 0)  # [num_reqs, vocab]
@@ -177,6 +200,8 @@ def apply_penalties(logits: Tensor, batch: SamplingBatch) -> Tensor:
         logits = logits - batch.frequency_penalty * counts - batch.presence_penalty * (counts > 0)
     if batch.banned is not None:
         logits = logits.index_put(batch.banned, logits.new_tensor(float("-inf")))
+    if batch.allowed is not None:
+        logits = logits.masked_fill(~batch.allowed, float("-inf"))
     return logits
 
 

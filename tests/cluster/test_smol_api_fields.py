@@ -1,20 +1,35 @@
 """Every field of OpenAI's request types works, is an accepted no-op, or is a 400 naming it.
 
 The field lists come from the installed `openai` package, so a field OpenAI adds is classified
-here the day the package knows it. Also: a missing max_tokens means the rest of the context,
-message content as a list of text parts, `include_stop_str_in_output`, `max_completion_tokens`
-on completions, and a non-streaming client that leaves ends its request on both workers. On the
-module's SmolLM2 cluster (`smol`, conftest).
+here the day the package knows it. Structured outputs: JSON schema, JSON object, choice, regex,
+over HTTP (the official client) and gRPC, disaggregated and speculative. Also: a missing
+max_tokens means the rest of the context, message content as a list of text parts,
+`include_stop_str_in_output`, `max_completion_tokens` on completions, and a non-streaming client
+that leaves ends its request on both workers. On the module's SmolLM2 cluster (`smol`,
+conftest).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, get_type_hints
 
+import grpc
 import httpx2 as httpx
+import jsonschema
+import openai
 import pytest
-from cluster_helpers import http_post, wait_router_idle, wait_workers_idle, workers
+from cluster_helpers import (
+    grpc_error,
+    grpc_generate,
+    http_post,
+    wait_router_idle,
+    wait_workers_idle,
+    workers,
+)
 from conftest import SMOL
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
@@ -24,6 +39,8 @@ from router.router_server import RouterServer
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
+from tandem.structured import StructuredOutput
+from tandem.v1 import api_pb2
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -76,7 +93,7 @@ def test_every_openai_field_works_is_a_no_op_or_is_rejected_by_name(
 ) -> None:
     served = set(model.model_fields) - set(NO_OP_FIELDS)
     rejected = sorted(fields - served - set(NO_OP_FIELDS))
-    assert "response_format" in rejected or path == "/v1/completions"
+    assert "tools" in rejected or path == "/v1/completions"
     for name in rejected:
         r = http_post(f"{url}{path}", {**base, name: {"any": "value"}})
         assert r.status_code == 400, (name, r.text)
@@ -89,10 +106,11 @@ def test_every_openai_field_works_is_a_no_op_or_is_rejected_by_name(
 
 def test_a_field_openai_does_not_know_is_rejected_by_name(url: str) -> None:
     r = http_post(
-        f"{url}/v1/chat/completions", {"model": SMOL, "messages": CHAT, "guided_json": {}}
+        f"{url}/v1/chat/completions",
+        {"model": SMOL, "messages": CHAT, "guided_decoding_backend": "xgrammar"},
     )
     assert r.status_code == 400
-    assert r.json()["error"]["param"] == "guided_json"
+    assert r.json()["error"]["param"] == "guided_decoding_backend"
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +177,179 @@ def test_a_non_streaming_client_that_leaves_frees_its_blocks(smol: LocalCluster,
         httpx.post(f"{url}/v1/completions", json=body, timeout=2.0)
     wait_workers_idle(every_worker, 10.0)
     wait_router_idle(smol, 10.0)
+
+
+# -- structured outputs ----------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["colour", "count"],
+    "additionalProperties": False,
+}
+# The example in the prompt gives the n-gram proposer something to draft from.
+SCHEMA_CHAT = [
+    {
+        "role": "user",
+        "content": 'Pick a colour and a count, answering like {"colour":"red","count":3}.',
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+
+
+def test_json_schema_output_validates_for_20_prompts(client: openai.OpenAI) -> None:
+    """Sampled, 4 at a time: the router spreads them over both decode workers (one speculating)
+    and the prefill worker (the chat template makes each prompt long enough)."""
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True},
+    }
+
+    def ask(seed: int) -> str:
+        r = client.chat.completions.create(
+            model=SMOL,
+            messages=[{"role": "user", "content": f"Request {seed}. {SCHEMA_CHAT[0]['content']}"}],
+            response_format=response_format,
+            max_tokens=30,
+            temperature=1.0,
+            seed=seed,
+        )
+        assert r.choices[0].finish_reason == "stop", r
+        return r.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(4) as pool:
+        for content in pool.map(ask, range(20)):
+            jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_choice_regex_and_json_object(client: openai.OpenAI) -> None:
+    choices = ["yes", "no", "maybe"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        r = client.chat.completions.create(
+            model=SMOL,
+            messages=[{"role": "user", "content": "Is the sky green?"}],
+            max_tokens=5,
+            extra_body=extra,
+        )
+        assert r.choices[0].message.content in choices
+    regex = r"[A-Z][a-z]{2,8} [0-9]{1,2}"
+    for _ in range(2):
+        c = client.completions.create(
+            model=SMOL,
+            prompt="My birthday is on",
+            max_tokens=12,
+            extra_body={"guided_regex": regex},
+        )
+        assert re.fullmatch(regex, c.choices[0].text), c.choices[0].text
+    cat = 'Give a JSON object with one key "name" for a cat.'
+    r = client.chat.completions.create(
+        model=SMOL,
+        messages=[{"role": "user", "content": cat}],
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+
+
+def test_grpc_structured_output_is_constrained_from_the_prefill_worker_on(
+    smol: LocalCluster, smol_llm: LLM
+) -> None:
+    """The first token is sampled on the prefill worker, the rest on either decode worker (one
+    speculating): greedy output equals the offline engine's, token for token."""
+    assert smol.address is not None
+    structured = StructuredOutput.json_schema(SCHEMA, "structured_output")
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, structured_output=structured)
+    ref = smol_llm.chat(SCHEMA_CHAT, greedy)[0]
+    assert ref.finish_reason == "stop"
+    jsonschema.validate(json.loads(ref.text), SCHEMA)
+    (prefill,) = workers(smol, "prefill")
+    option = api_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    drafted = 0
+    for _ in range(2):  # both decode workers
+        tokens, last = grpc_generate(
+            smol.address.grpc_target,
+            chat=SCHEMA_CHAT,
+            max_tokens=30,
+            temperature=0.0,
+            structured_output=option,
+        )
+        assert tokens == ref.token_ids
+        assert last.timings.prefill_worker == prefill.worker_id
+        drafted += last.timings.draft_tokens
+    assert drafted > 0, "the speculative worker verified drafts under the grammar"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"guided_regex": "[a-"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_json": {"type": "frobnicate"}}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, None),
+        (
+            {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+            "guided_regex",
+        ),
+        ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
+        ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ],
+)
+def test_an_invalid_structured_output_is_400_naming_the_field(
+    url: str, fields: dict[str, Any], param: str | None
+) -> None:
+    body = {"model": SMOL, "messages": CHAT, "max_tokens": 4, **fields}
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == (param or "response_format"), r.text
+
+
+def test_grpc_invalid_structured_output_is_invalid_argument(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    e = grpc_error(
+        smol.address.grpc_target,
+        "Hello",
+        max_tokens=4,
+        structured_output=api_pb2.StructuredOutput(regex="(unclosed"),
+    )
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output" in (e.details() or "")
+
+
+# -- logit_bias ------------------------------------------------------------------------------
+
+
+def test_logit_bias_steers_the_output_and_bad_biases_are_400(
+    url: str, client: openai.OpenAI
+) -> None:
+    token = http_post(f"{url}/tokenize", {"prompt": " zebra"}).json()["tokens"][0]
+    text = http_post(f"{url}/detokenize", {"tokens": [token] * 3}).json()["prompt"]
+    r = client.completions.create(
+        model=SMOL,
+        prompt="The capital of France is",
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(token): 100},
+    )
+    assert r.choices[0].text == text
+    for bias, message in [
+        ({str(token): 101}, "[-100, 100]"),
+        ({"49152": 1}, "token ids"),
+        ({"zebra": 1}, "integers"),
+    ]:
+        body = {"model": SMOL, "messages": CHAT, "max_tokens": 1, "logit_bias": bias}
+        r = http_post(f"{url}/v1/chat/completions", body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "logit_bias" and message in error["message"], error

@@ -28,6 +28,7 @@ from tandem.bench.workloads import (
     slot_open_times,
 )
 from tandem.data import SPECBENCH_PATH
+from tandem.structured import StructuredOutput
 
 # --- lengths ------------------------------------------------------------------------------
 
@@ -320,3 +321,20 @@ def test_closed_loop_ramp_up_opens_slots_over_time() -> None:
 
     timelines = [s.timeline for s in early]
     assert not any(overlap(a, b) for i, a in enumerate(timelines) for b in timelines[i + 1 :])
+
+
+def test_json_schema_pairs_a_schema_request_with_the_same_prompt_free() -> None:
+    config = WorkloadConfig("json-schema", num_requests=6, output_len="48")
+    pool = build_workload(config)
+    assert pool == build_workload(config) and len(pool) == 6
+    assert [r.tag for r in pool] == ["schema", "free", "free", "schema", "schema", "free"]
+    schemas = set()
+    pairs = [sorted(pool[i : i + 2], key=lambda r: r.tag, reverse=True) for i in (0, 2, 4)]
+    for with_schema, free in pairs:
+        assert with_schema.messages == free.messages and not free.json_schema
+        assert not with_schema.ignore_eos and with_schema.max_tokens == 48
+        schema = json.loads(with_schema.json_schema)
+        StructuredOutput.json_schema(schema, "bench").validate()
+        assert schema["properties"]["category"]["enum"][0] in with_schema.messages[0][1]
+        schemas.add(with_schema.json_schema)
+    assert len(schemas) == 3, "every request has its own schema"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from tandem.messages import sampling_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams
+from tandem.structured import StructuredOutput
 from tandem.v1 import api_pb2
 
 
@@ -17,3 +18,23 @@ def test_resolved_for_fills_only_an_unset_max_tokens() -> None:
     assert SamplingParams(max_tokens=None).resolved_for(10, 64).max_tokens == 54
     assert SamplingParams(max_tokens=5).resolved_for(10, 64).max_tokens == 5
     assert SamplingParams(max_tokens=None).resolved_for(64, 64).max_tokens == 1  # fails later
+
+
+def test_every_structured_output_kind_round_trips() -> None:
+    kinds = [
+        StructuredOutput.json_schema({"type": "object", "properties": {"b": {}, "a": {}}}, "x"),
+        StructuredOutput("json_object"),
+        StructuredOutput("regex", r"\d+"),
+        StructuredOutput.choice(["yes", 'no "way"'], "x"),
+        StructuredOutput("grammar", 'start: "a"'),
+    ]
+    for so in kinds:
+        back = sampling_from_proto(sampling_to_proto(SamplingParams(structured_output=so)))
+        assert back.structured_output == so
+    assert kinds[0].spec == '{"type":"object","properties":{"b":{},"a":{}}}'  # order kept
+    assert sampling_from_proto(api_pb2.SamplingOptions()).structured_output is None
+
+
+def test_logit_bias_round_trips() -> None:
+    params = SamplingParams(logit_bias=((3, -100.0), (17, 2.5)))
+    assert sampling_from_proto(sampling_to_proto(params)).logit_bias == params.logit_bias

@@ -308,3 +308,28 @@ def test_tiny_top_p_keeps_the_most_likely_token() -> None:
     probs = processed_probs(logits, build(params))
     assert torch.equal(probs.argmax(-1), logits.argmax(-1))
     assert torch.equal(probs.amax(-1), torch.ones(len(params)))
+
+
+def test_logit_bias_moves_the_choice_and_leaves_logprobs_raw() -> None:
+    logits = random_logits(3)
+    unlikely, likely = int(logits[0].argmin()), int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=0.0, logprobs=0, logit_bias=((unlikely, 100.0),)),
+        SamplingParams(temperature=0.0, logprobs=0, logit_bias=((likely, -100.0), (3, 0.5))),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
+    out = Sampler()(logits, build(params))
+    tokens = out.token_ids.tolist()
+    assert tokens[0] == unlikely and tokens[1] != likely
+    assert tokens[2] == int(logits[2].argmax())
+    assert out.logprobs is not None
+    raw = logits.log_softmax(dim=-1)
+    assert_close(out.logprobs.logprobs[:, 0], raw[torch.arange(3), out.token_ids])
+
+
+@pytest.mark.parametrize(
+    ("bias", "message"), [(((VOCAB, 1.0),), "token ids"), (((1, 100.5),), "values")]
+)
+def test_logit_bias_out_of_range_names_the_field(bias: tuple, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^logit_bias {message}"):
+        SamplingParams(logit_bias=bias).validate(VOCAB)

@@ -104,8 +104,12 @@ class SpecDecoder:
         batch = self.draft_length.draft_lengths(candidates, len(self.scheduler.running), by_cost)
         if batch or hidden is not None:
             drafts = self.proposer.propose(batch, hidden)
-            for (req, _), draft in zip(batch, drafts, strict=True):
+            for (req, k), draft in zip(batch, drafts, strict=True):
                 req.spec_token_ids, req.spec_draft_probs = draft.token_ids, draft.probs
+                if req.grammar is not None:  # forced tokens, refused ones cut (grammar.py)
+                    req.spec_token_ids, req.spec_draft_probs = req.grammar.drafts(
+                        draft.token_ids, draft.probs, k
+                    )
         seconds = time.perf_counter() - start
         self.draft_length.observe_propose(batch, seconds)
         self.scheduler.spec_stats.propose_seconds += seconds
