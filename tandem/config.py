@@ -121,8 +121,21 @@ class ModelSettings:
     quant_group_size: int = 32  # int4: input channels per scale and zero (halved where it does
     # not divide a layer's input size: SmolLM2's 576 takes 64 for 128)
     kernel_routes: str = "auto"  # CPU: KERNEL_ROUTE_POLICIES or a route of KERNEL_ROUTE_NAMES
+    # Ranks the model is sharded over (tandem/engine/tp/): processes on this host, rank 0 this one
+    tensor_parallel_size: int = 1
+    # A collective that a rank does not join within this time fails the step on the other ranks
+    tp_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.engine != "real":
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs engine='real' "
+                f"(the simulated engine models one device), got {self.engine!r}"
+            )
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.engine not in ("real", "sim"):
             raise ValueError(f"engine must be 'real' or 'sim', got {self.engine!r}")
         if self.dtype not in DTYPES:
@@ -267,6 +280,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+
+    def __post_init__(self) -> None:
+        tp, method = self.model.tensor_parallel_size, self.spec.method
+        if tp > 1 and method not in (None, "ngram"):
+            raise ValueError(
+                f"speculative method {method!r} does not run under tensor parallelism "
+                f"(tensor_parallel_size={tp}) yet: use 'ngram', or tensor_parallel_size=1"
+            )
 
     @classmethod
     def create(

@@ -135,6 +135,10 @@ class EngineCore:
             self.spec_decoder.adopt(req, handover)
         return req
 
+    def close(self) -> None:
+        """Stop what runs beside this process (a tensor-parallel engine's other ranks)."""
+        self.executor.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
