@@ -123,7 +123,7 @@ def test_bad_split_refused(
 
 
 def test_natural_splits_accepted() -> None:
-    check_tensor_parallel(_cfg(num_heads=9, num_kv_heads=3), 3)  # SmolLM2's heads
+    check_tensor_parallel(_cfg(num_heads=9, num_kv_heads=3, intermediate_size=1536), 3)  # SmolLM2
     check_tensor_parallel(_cfg(head_dim=144, intermediate_size=1536), 3, "int4", 32)
 
 
