@@ -125,7 +125,6 @@ def test_bad_split_refused(
 def test_natural_splits_accepted() -> None:
     smollm2 = _cfg(num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
     check_tensor_parallel(smollm2, 3, "int4", 32)
-    check_tensor_parallel(smollm2, 9)  # more ranks than KV heads: each KV head on 3 ranks
 
 
 def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:
