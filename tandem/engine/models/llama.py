@@ -25,7 +25,7 @@ from tandem.engine.models import decode_plan
 from tandem.engine.models.linear import DenseProduct, Linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.layers import VocabParallelEmbedding
+from tandem.engine.tp.layers import VocabParallelEmbedding, gather_rescored_logits
 from tandem.model_config import ModelConfig
 
 if TYPE_CHECKING:  # quant/model.py imports this module
@@ -184,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, vocab_rows, bias=False, dtype=dtype, device=device)
+            self.lm_head = Linear(
+                cfg.hidden_size, vocab_rows, bias=False, dtype=dtype, device=device
+            )
         # The logits' product over the LM head's (or the tied embedding's) weight, and an int8
         # copy of it (set by quant/model.py) for the logits of steps of few rows; the float
         # weight stays for embedding lookups and larger steps.
@@ -238,6 +240,9 @@ class LlamaForCausalLM(nn.Module):
         weight = self.lm_head_weight
         head = self.quantized_lm_head
         if head is not None and hidden.shape[0] <= head.max_rows:
+            if self.tp is not None:
+                candidates = head.candidates(hidden, weight)
+                return gather_rescored_logits(self.tp, *candidates, self.cfg.vocab_size)
             logits = head(hidden, weight)
         else:
             logits = self.head_product(hidden).float()

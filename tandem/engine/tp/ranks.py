@@ -14,6 +14,7 @@ dies, the others' wait ends with a closed connection and they exit.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -35,6 +36,7 @@ from tandem.engine.tp.step import StepMessage, send_stop
 # What a spawned rank runs once it has joined the group: load its shard, then serve steps.
 RankMain = Callable[[EngineConfig, Path, TPGroup], None]
 JOIN_SECONDS = 10.0  # how long `stop` waits for a rank to exit before killing it
+START_POLL_S = 0.05  # how often `start` looks whether the rank processes are up (or dead)
 
 
 class TensorParallelError(RuntimeError):
@@ -106,7 +108,7 @@ class RankProcesses:
         device = rank_device(model_device(mc), 0, size)
         store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
         context = torch.multiprocessing.get_context("spawn")
-        processes = [
+        processes: list[BaseProcess] = [
             context.Process(
                 target=_rank_main,
                 args=(main, config, model_path, rank, store.port),
@@ -118,6 +120,7 @@ class RankProcesses:
         for process in processes:
             process.start()
         try:
+            _await_started(store, processes, mc.tp_timeout_s)
             group = TPGroup.join(store, 0, size, device, mc.tp_timeout_s)
         except RuntimeError as e:
             _kill(processes)
@@ -135,7 +138,9 @@ class RankProcesses:
         _kill(self.processes)
 
 
-def _rank_main(main: RankMain, config: EngineConfig, model_path: Path, rank: int, port: int) -> None:
+def _rank_main(
+    main: RankMain, config: EngineConfig, model_path: Path, rank: int, port: int
+) -> None:
     """A spawned rank: join the group, then `main`."""
     mc = config.model
     if mc.num_threads is not None:
@@ -146,7 +151,22 @@ def _rank_main(main: RankMain, config: EngineConfig, model_path: Path, rank: int
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=mc.tp_timeout_s)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
+    store.set(f"started/{rank}", "")
     main(config, model_path, TPGroup.join(store, rank, size, device, mc.tp_timeout_s))
+
+
+def _await_started(store: dist.Store, processes: list[BaseProcess], timeout_s: float) -> None:
+    """Wait until every rank process has reached the store; a process that exits first (an
+    import error, a bad environment) fails the start at once rather than after the timeout."""
+    keys = [f"started/{rank}" for rank in range(1, len(processes) + 1)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        for process in processes:
+            if process.exitcode is not None:
+                raise TensorParallelError(f"{process.name} exited with code {process.exitcode}")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"the ranks did not start within {timeout_s:g} s")
+        time.sleep(START_POLL_S)
 
 
 def _stop(group: TPGroup, processes: list[BaseProcess]) -> None:

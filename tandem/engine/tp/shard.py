@@ -91,7 +91,7 @@ class Shard:
 
     @functools.cached_property
     def spans(self) -> dict[str, tuple[int, int, int]]:
-        """Projection ("q", ..., "down") -> (dim, start, end) of the whole weight this rank keeps."""
+        """Projection ("q", ..., "down") -> (dim, start, end): the part of its weight kept here."""
         c, r, t = self.cfg, self.rank, self.size
         q = c.num_heads // t * c.head_dim
         kv_heads = max(c.num_kv_heads // t, 1)
