@@ -265,6 +265,7 @@ def test_cli_generate(llm: LLM, cli: tuple[CliRunner, list[dict[str, Any]]]) -> 
             "quant_group_size": 32,
             "kernel_routes": "auto",
             "kv_cache_dtype": "auto",
+            "tensor_parallel_size": 1,
         }
     ]
     (expected,) = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0))
