@@ -33,7 +33,7 @@ from tandem.engine.sim import (
 )
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.ranks import RankProcesses, TPModelRunner
+from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankProcesses, TPModelRunner
 from tandem.engine.tp.shard import check_tensor_parallel
 from tandem.model_config import load_config
 
@@ -95,7 +95,7 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     ranks = RankProcesses.start(config, model_path, serve_rank)
     try:
         executor = load_rank(config, model_path, ranks.group)
-        ranks.group.barrier()  # every rank has loaded its shard
+        ranks.group.barrier(LOAD_TIMEOUT)  # every rank has loaded its shard
     except BaseException:
         ranks.kill()
         raise
@@ -132,7 +132,7 @@ def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup) -> None:
     """A rank other than 0: load its shard, meet the others, run rank 0's steps until stopped."""
     runner = load_rank(config, model_path, tp).runner
     assert isinstance(runner, TPModelRunner)
-    tp.barrier()
+    tp.barrier(LOAD_TIMEOUT)
     runner.serve()
 
 

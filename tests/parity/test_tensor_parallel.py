@@ -10,6 +10,9 @@ Each engine's ranks start once per module (fixtures), one thread each.
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,11 +23,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 from tandem.config import EngineConfig
 from tandem.engine.attention import TorchSDPABackend
 from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import TPExecutor
 from tandem.engine.models import load_model
 from tandem.engine.quant.layer import QuantizedLinear
 from tandem.engine.quant.model import quantize_weight
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.ranks import rank_device
+from tandem.engine.tp.ranks import TensorParallelError, rank_device
 from tandem.engine.tp.shard import Shard, check_tensor_parallel
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
@@ -196,6 +200,30 @@ def test_every_rank_loads_its_part_of_the_quantized_model(
                 _, s, e = shard.spans[name.split(".")[-1].removesuffix("_proj")]
                 expected = expected[:, s:e]
             torch.testing.assert_close(module.dequantize(), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_dead_or_stuck_rank_fails_the_step(tiny_llama_path: Path, sig: signal.Signals) -> None:
+    """Rank 1 killed (its connections close: at once) or stopped (the group's timeout) in the
+    middle of decoding: rank 0's step raises instead of blocking, and `close` kills the rest."""
+    config = EngineConfig.create(
+        str(tiny_llama_path), tensor_parallel_size=2, tp_timeout_s=2.0, **OPTIONS
+    )
+    engine = EngineCore(config)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.add_request("r", [1, 2, 3], params)
+    engine.step()
+    assert isinstance(engine.executor, TPExecutor)
+    (rank1,) = engine.executor.ranks.processes
+    assert rank1.pid is not None
+    os.kill(rank1.pid, sig)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="within 2 s"):
+        while engine.has_unfinished():
+            engine.step()
+    assert time.monotonic() - start < 2.0 + 5.0
+    engine.close()
+    assert not rank1.is_alive()
 
 
 def _cfg(**fields: int) -> ModelConfig:

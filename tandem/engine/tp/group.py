@@ -25,6 +25,7 @@ class TPGroup:
         self.rank = rank
         self.size = size
         self.device = device  # where this rank's tensors live (NCCL: its own GPU)
+        self.broken = False  # a collective failed: the group's state is undefined from then on
         self.timeout = timedelta(seconds=timeout_s)
 
     @classmethod
@@ -47,7 +48,7 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
-        self.backend.allreduce([tensor]).wait(self.timeout)
+        self._wait(self.backend.allreduce([tensor]), self.timeout)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, timeout: timedelta | None = None) -> torch.Tensor:
@@ -56,7 +57,7 @@ class TPGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = timeout or self.timeout
-        self.backend.broadcast([tensor], opts).wait(opts.timeout)
+        self._wait(self.backend.broadcast([tensor], opts), opts.timeout)
         return tensor
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -68,8 +69,16 @@ class TPGroup:
         opts = dist.GatherOptions()
         opts.rootRank = 0
         opts.timeout = self.timeout
-        self.backend.gather(outputs, [tensor], opts).wait(self.timeout)
+        self._wait(self.backend.gather(outputs, [tensor], opts), self.timeout)
         return torch.cat(parts, dim=1) if self.rank == 0 else tensor
 
-    def barrier(self) -> None:
-        self.all_reduce(torch.zeros(1, device=self.device))
+    def _wait(self, work: dist.Work, timeout: timedelta) -> None:
+        try:
+            work.wait(timeout)
+        except RuntimeError:
+            self.broken = True
+            raise
+
+    def barrier(self, timeout: timedelta) -> None:
+        """Wait until every rank has come here, at most `timeout`."""
+        self.broadcast(torch.zeros(1, device=self.device), timeout)

@@ -36,6 +36,9 @@ from tandem.engine.tp.step import StepMessage, send_stop
 # What a spawned rank runs once it has joined the group: load its shard, then serve steps.
 RankMain = Callable[[EngineConfig, Path, TPGroup], None]
 JOIN_SECONDS = 10.0  # how long `stop` waits for a rank to exit before killing it
+# How long the ranks may take to start and load their shards (a rank that dies meanwhile fails
+# the start at once); the group's own timeout (`tp_timeout_s`) bounds the collectives of steps.
+LOAD_TIMEOUT = timedelta(minutes=30)
 START_POLL_S = 0.05  # how often `start` looks whether the rank processes are up (or dead)
 
 
@@ -104,9 +107,9 @@ class RankProcesses:
     def start(cls, config: EngineConfig, model_path: Path, main: RankMain) -> RankProcesses:
         """Spawn ranks 1.. running `main` and join them as rank 0."""
         mc = config.model
-        size, timeout = mc.tensor_parallel_size, timedelta(seconds=mc.tp_timeout_s)
+        size = mc.tensor_parallel_size
         device = rank_device(model_device(mc), 0, size)
-        store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=LOAD_TIMEOUT)
         context = torch.multiprocessing.get_context("spawn")
         processes: list[BaseProcess] = [
             context.Process(
@@ -120,7 +123,7 @@ class RankProcesses:
         for process in processes:
             process.start()
         try:
-            _await_started(store, processes, mc.tp_timeout_s)
+            _await_started(store, processes)
             group = TPGroup.join(store, 0, size, device, mc.tp_timeout_s)
         except RuntimeError as e:
             _kill(processes)
@@ -149,32 +152,32 @@ def _rank_main(
     device = rank_device(model_device(mc), rank, size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=mc.tp_timeout_s)
-    store = dist.TCPStore(HOST, port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     store.set(f"started/{rank}", "")
     main(config, model_path, TPGroup.join(store, rank, size, device, mc.tp_timeout_s))
 
 
-def _await_started(store: dist.Store, processes: list[BaseProcess], timeout_s: float) -> None:
+def _await_started(store: dist.Store, processes: list[BaseProcess]) -> None:
     """Wait until every rank process has reached the store; a process that exits first (an
     import error, a bad environment) fails the start at once rather than after the timeout."""
     keys = [f"started/{rank}" for rank in range(1, len(processes) + 1)]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + LOAD_TIMEOUT.total_seconds()
     while not store.check(keys):
         for process in processes:
             if process.exitcode is not None:
                 raise TensorParallelError(f"{process.name} exited with code {process.exitcode}")
         if time.monotonic() > deadline:
-            raise TensorParallelError(f"the ranks did not start within {timeout_s:g} s")
+            raise TensorParallelError(f"the ranks did not start within {LOAD_TIMEOUT}")
         time.sleep(START_POLL_S)
 
 
 def _stop(group: TPGroup, processes: list[BaseProcess]) -> None:
-    # A rank already gone cannot take the message; the join below then finds it dead.
-    with contextlib.suppress(RuntimeError):
-        send_stop(group)
-    for process in processes:
-        process.join(JOIN_SECONDS)
+    if not group.broken:  # else some rank is dead or stuck in a collective: kill them all
+        # A rank already gone cannot take the message; the join below then finds it dead.
+        with contextlib.suppress(RuntimeError):
+            send_stop(group)
+        for process in processes:
+            process.join(JOIN_SECONDS)
     _kill(processes)
 
 
