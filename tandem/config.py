@@ -158,6 +158,15 @@ class ModelSettings:
                 f"got {self.quant_group_size}"
             )
 
+    @property
+    def cpu_threads(self) -> int | None:
+        """torch intra-op threads of each of the engine's processes on CPU: `num_threads`, else
+        with tensor parallelism the host's cores shared among the ranks (each rank's default of
+        all cores would oversubscribe them N times), else None (torch's default)."""
+        if self.num_threads is not None or self.tensor_parallel_size == 1:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
+
 
 @dataclass(frozen=True)
 class CacheConfig:

@@ -47,8 +47,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
         self.config = config
         mc = config.model
-        if mc.num_threads is not None and model_device(mc).type == "cpu":
-            torch.set_num_threads(mc.num_threads)
+        if mc.cpu_threads is not None and model_device(mc).type == "cpu":
+            torch.set_num_threads(mc.cpu_threads)
         self.model_path = hub.resolve(mc.model)
         self.executor = load_executor(config, self.model_path)
         self.model, self.runner = self.executor.model, self.executor.runner

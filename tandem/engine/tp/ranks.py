@@ -146,12 +146,12 @@ def _rank_main(
 ) -> None:
     """A spawned rank: join the group, then `main`."""
     mc = config.model
-    if mc.num_threads is not None:
-        torch.set_num_threads(mc.num_threads)
     size = mc.tensor_parallel_size
     device = rank_device(model_device(mc), rank, size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif mc.cpu_threads is not None:
+        torch.set_num_threads(mc.cpu_threads)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     store.set(f"started/{rank}", "")
     main(config, model_path, TPGroup.join(store, rank, size, device, mc.tp_timeout_s))
