@@ -33,7 +33,7 @@ class TPGroup:
         cls, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float
     ) -> TPGroup:
         """Join the group of `size` ranks on `store`; blocks until every rank has joined (an
-        error after `timeout_s`)."""
+        error after the store's timeout). Collectives wait at most `timeout_s`."""
         store = dist.PrefixStore("tp", store)
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":

@@ -59,12 +59,17 @@ class TPModelRunner(ModelRunner):
         return inp
 
     def execute(self, *args: Any, **kwargs: Any) -> StepResult:
+        group = self.group
+        if group.broken:
+            raise TensorParallelError("an earlier step lost a tensor-parallel rank")
         try:
             return super().execute(*args, **kwargs)
-        except RuntimeError as e:  # c10d reports a closed connection or a timeout so
+        except RuntimeError as e:
+            if not group.broken:  # not a collective's failure
+                raise
             raise TensorParallelError(
-                f"a tensor-parallel rank of {self.group.size} failed or did not answer within "
-                f"{self.group.timeout.total_seconds():g} s: {e}"
+                f"a tensor-parallel rank of {group.size} failed or did not answer within "
+                f"{group.timeout.total_seconds():g} s: {e}"
             ) from e
 
     @torch.inference_mode()
