@@ -376,6 +376,14 @@ class WorkerConfig:
     metrics_port: int | None = 0  # Prometheus; 0: any free port, None: none
     heartbeat_ttl_s: float = 3.0  # the registry forgets a worker this long after its last beat
 
+    def __post_init__(self) -> None:
+        tp = self.engine.model.tensor_parallel_size
+        if tp > 1:  # the KV transfer and the heartbeat know one process's cache
+            raise ValueError(
+                f"tensor_parallel_size={tp}: a worker runs one rank for now; tensor "
+                f"parallelism is in the offline engine (LLM, tandem generate --tp)"
+            )
+
 
 @dataclass(frozen=True)
 class RouterConfig:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, WorkerConfig
 from tandem.engine.attention import TorchSDPABackend
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import TPExecutor
@@ -262,6 +262,8 @@ def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:
         EngineConfig.create(
             "m", tensor_parallel_size=3, speculative={"method": "draft", "draft_model": "d"}
         )
+    with pytest.raises(ValueError, match="tensor_parallel_size=3: a worker runs one rank"):
+        WorkerConfig(EngineConfig.create("m", tensor_parallel_size=3))
 
 
 def test_devices_refused() -> None:
