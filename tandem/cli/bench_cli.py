@@ -128,3 +128,34 @@ def bench_transfer(
         json_out,
         console,
     )
+
+
+@bench_app.command("tp")
+def bench_tp(
+    model: ModelOpt = DEFAULT_MODEL,
+    tp: Annotated[str, typer.Option(help="Comma-separated tensor-parallel sizes.")] = "1,3",
+    dtype: DtypeOpt = "float32",
+    threads: Annotated[int, typer.Option(help="torch threads, shared by a size's ranks.")] = 2,
+    new_tokens: int = 64,
+    rounds: int = 3,
+    quick: Annotated[bool, typer.Option("--quick", help="8 tokens, one round.")] = False,
+    json_out: JsonOutOpt = None,
+) -> None:
+    """Decode tok/s and the collectives' share of a step at each tensor-parallel size (on a CPU
+    with fewer cores than ranks: the overhead of tensor parallelism, not a speedup)."""
+    from tandem.bench.tp_bench import TPBenchConfig, run_tp_bench
+
+    run_bench_command(
+        lambda: TPBenchConfig(
+            model=model,
+            sizes=tuple(int(n) for n in names(tp)),
+            dtype=dtype,
+            threads=threads,
+            new_tokens=new_tokens,
+            rounds=rounds,
+        ),
+        quick,
+        run_tp_bench,
+        json_out,
+        console,
+    )

@@ -8,6 +8,7 @@ timeout: a rank that died or hangs fails the others' step with an error instead 
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +27,7 @@ class TPGroup:
         self.size = size
         self.device = device  # where this rank's tensors live (NCCL: its own GPU)
         self.broken = False  # a collective failed: the group's state is undefined from then on
+        self.wait_seconds = 0.0  # spent in collectives since the group was made (benchmarks)
         self.timeout = timedelta(seconds=timeout_s)
 
     @classmethod
@@ -73,11 +75,14 @@ class TPGroup:
         return torch.cat(parts, dim=1) if self.rank == 0 else tensor
 
     def _wait(self, work: dist.Work, timeout: timedelta) -> None:
+        start = time.perf_counter()
         try:
             work.wait(timeout)
         except RuntimeError:
             self.broken = True
             raise
+        finally:
+            self.wait_seconds += time.perf_counter() - start
 
     def barrier(self, timeout: timedelta) -> None:
         """Wait until every rank has come here, at most `timeout`."""
