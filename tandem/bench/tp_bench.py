@@ -43,6 +43,7 @@ class TPBenchConfig:
     model: str
     sizes: tuple[int, ...] = (1, 3)
     dtype: str = "float32"
+    device: str = "cpu"  # "cuda": rank r on GPU r (NCCL)
     threads: int = 2
     new_tokens: int = 64
     rounds: int = 3
@@ -76,6 +77,7 @@ def _bench_size(config: TPBenchConfig, path: Path, size: int) -> dict[str, Any]:
         EngineConfig.create(
             str(path),
             dtype=config.dtype,
+            device=config.device,
             tensor_parallel_size=size,
             num_threads=max(1, config.threads // size),
         )

@@ -12,7 +12,7 @@ from tandem.cli.bench_serve_cli import bench_serve, bench_sla
 from tandem.cli.bench_sim_cli import register_sim_commands
 from tandem.cli.bench_spec_cli import bench_spec
 from tandem.cli.bench_support import JsonOutOpt, names, run_bench_command
-from tandem.cli.options import DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
+from tandem.cli.options import DeviceOpt, DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
 from tandem.config import DEFAULT_MODEL
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
@@ -135,6 +135,7 @@ def bench_tp(
     model: ModelOpt = DEFAULT_MODEL,
     tp: Annotated[str, typer.Option(help="Comma-separated tensor-parallel sizes.")] = "1,3",
     dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
     threads: Annotated[int, typer.Option(help="torch threads, shared by a size's ranks.")] = 2,
     new_tokens: int = 64,
     rounds: int = 3,
@@ -150,6 +151,7 @@ def bench_tp(
             model=model,
             sizes=tuple(int(n) for n in names(tp)),
             dtype=dtype,
+            device=device,
             threads=threads,
             new_tokens=new_tokens,
             rounds=rounds,
