@@ -51,6 +51,8 @@ CONFIGS: dict[str, tuple[Callable[[dict[str, int]], object], int, dict[str, str]
         4,
         {},
     ),
+    # an int8 KV cache: a scale per token and head, so each rank's heads keep theirs
+    "llama-kv-int8": (lambda tiny: LlamaConfig(**tiny), 2, {"kv_cache_dtype": "int8"}),
     # quantized whole, then split (o_proj's 64 inputs: one int4 group of 32 per rank)
     "llama-int8": (lambda tiny: LlamaConfig(**tiny), 2, {"quantization": "int8"}),
     "llama-int4": (lambda tiny: LlamaConfig(**tiny), 2, {"quantization": "int4"}),
