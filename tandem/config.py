@@ -291,11 +291,14 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
+        # layerskip, medusa and eagle run the target's own (sharded) layers or head on rank 0
+        # alone, outside the steps the other ranks mirror
         tp, method = self.model.tensor_parallel_size, self.spec.method
-        if tp > 1 and method not in (None, "ngram"):
+        if tp > 1 and method not in (None, "ngram", "draft"):
             raise ValueError(
                 f"speculative method {method!r} does not run under tensor parallelism "
-                f"(tensor_parallel_size={tp}) yet: use 'ngram', or tensor_parallel_size=1"
+                f"(tensor_parallel_size={tp}) yet: use 'ngram' or 'draft', or "
+                f"tensor_parallel_size=1"
             )
 
     @classmethod

@@ -156,6 +156,27 @@ def test_smollm2_greedy_equals_single_device(
     assert outputs[0] == outputs[1]
 
 
+def test_draft_model_on_rank_0(tiny_llama_path: Path) -> None:
+    """A draft model (here the target itself, whole) runs on rank 0 beside the target's shard:
+    greedy output equals plain TP 1 decoding, and the drafts are accepted."""
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    outputs = []
+    speculative = {"method": "draft", "draft_model": str(tiny_llama_path)}
+    for size, spec in ((1, None), (2, speculative)):
+        config = EngineConfig.create(
+            str(tiny_llama_path), tensor_parallel_size=size, speculative=spec, **OPTIONS
+        )
+        engine = EngineCore(config)
+        reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(prompts)]
+        while engine.has_unfinished():
+            engine.step()
+        engine.close()
+        outputs.append([r.output_token_ids for r in reqs])
+    assert outputs[0] == outputs[1]
+    assert sum(r.metrics.num_accepted_tokens for r in reqs) > 0
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("proj", ["q", "k", "o", "down"])
 def test_quantized_whole_then_split(method: str, proj: str) -> None:
@@ -260,9 +281,9 @@ def test_natural_splits_accepted() -> None:
 def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads=9"):
         EngineCore(EngineConfig.create(str(smollm2_path), tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="'draft' does not run under tensor parallelism"):
+    with pytest.raises(ValueError, match="'eagle' does not run under tensor parallelism"):
         EngineConfig.create(
-            "m", tensor_parallel_size=3, speculative={"method": "draft", "draft_model": "d"}
+            "m", tensor_parallel_size=3, speculative={"method": "eagle", "path": "heads"}
         )
     with pytest.raises(ValueError, match="tensor_parallel_size=3: a worker runs one rank"):
         WorkerConfig(EngineConfig.create("m", tensor_parallel_size=3))
