@@ -126,8 +126,21 @@ class ModelSettings:
     kernel_routes: str = "auto"  # CPU: KERNEL_ROUTE_POLICIES or a route of KERNEL_ROUTE_NAMES
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS
     cuda_graphs: bool = True  # CUDA + Triton attention: decode / verify steps replay graphs
+    # Ranks the model is sharded over (tandem/engine/tp/): processes on this host, rank 0 this one
+    tensor_parallel_size: int = 1
+    # A collective that a rank does not join within this time fails the step on the other ranks
+    tp_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.engine != "real":
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} needs engine='real' "
+                f"(the simulated engine models one device), got {self.engine!r}"
+            )
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be > 0, got {self.tp_timeout_s}")
         if self.engine not in ("real", "sim"):
             raise ValueError(f"engine must be 'real' or 'sim', got {self.engine!r}")
         if self.dtype not in DTYPES:
@@ -154,6 +167,15 @@ class ModelSettings:
                 f"quant_group_size must be one of {list(QUANT_GROUP_SIZES)}, "
                 f"got {self.quant_group_size}"
             )
+
+    @property
+    def cpu_threads(self) -> int | None:
+        """torch intra-op threads of each of the engine's processes on CPU: `num_threads`, else
+        with tensor parallelism the host's cores shared among the ranks (each rank's default of
+        all cores would oversubscribe them N times), else None (torch's default)."""
+        if self.num_threads is not None or self.tensor_parallel_size == 1:
+            return self.num_threads
+        return max(1, (os.cpu_count() or 1) // self.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -278,6 +300,17 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
+    def __post_init__(self) -> None:
+        # layerskip, medusa and eagle run the target's own (sharded) layers or head on rank 0
+        # alone, outside the steps the other ranks mirror
+        tp, method = self.model.tensor_parallel_size, self.spec.method
+        if tp > 1 and method not in (None, "ngram", "draft"):
+            raise ValueError(
+                f"speculative method {method!r} does not run under tensor parallelism "
+                f"(tensor_parallel_size={tp}) yet: use 'ngram' or 'draft', or "
+                f"tensor_parallel_size=1"
+            )
+
     @classmethod
     def create(
         cls,
@@ -355,6 +388,14 @@ class WorkerConfig:
     registry_url: str | None = None  # None: an embedded Redis of its own
     metrics_port: int | None = 0  # Prometheus; 0: any free port, None: none
     heartbeat_ttl_s: float = 3.0  # the registry forgets a worker this long after its last beat
+
+    def __post_init__(self) -> None:
+        tp = self.engine.model.tensor_parallel_size
+        if tp > 1:  # the KV transfer and the heartbeat know one process's cache
+            raise ValueError(
+                f"tensor_parallel_size={tp}: a worker runs one rank for now; tensor "
+                f"parallelism is in the offline engine (LLM, tandem generate --tp)"
+            )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from tandem.cli.bench_serve_cli import bench_serve, bench_sla
 from tandem.cli.bench_sim_cli import register_sim_commands
 from tandem.cli.bench_spec_cli import bench_spec
 from tandem.cli.bench_support import JsonOutOpt, names, run_bench_command
-from tandem.cli.options import DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
+from tandem.cli.options import DeviceOpt, DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
 from tandem.config import DEFAULT_MODEL
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
@@ -153,3 +153,36 @@ def bench_gpu(ctx: typer.Context) -> None:
     from tandem.bench.gpu import main
 
     raise typer.Exit(main(ctx.args))
+
+
+@bench_app.command("tp")
+def bench_tp(
+    model: ModelOpt = DEFAULT_MODEL,
+    tp: Annotated[str, typer.Option(help="Comma-separated tensor-parallel sizes.")] = "1,3",
+    dtype: DtypeOpt = "float32",
+    device: DeviceOpt = "cpu",
+    threads: Annotated[int, typer.Option(help="torch threads, shared by a size's ranks.")] = 2,
+    new_tokens: int = 64,
+    rounds: int = 3,
+    quick: Annotated[bool, typer.Option("--quick", help="8 tokens, one round.")] = False,
+    json_out: JsonOutOpt = None,
+) -> None:
+    """Decode tok/s and the collectives' share of a step at each tensor-parallel size (on a CPU
+    with fewer cores than ranks: the overhead of tensor parallelism, not a speedup)."""
+    from tandem.bench.tp_bench import TPBenchConfig, run_tp_bench
+
+    run_bench_command(
+        lambda: TPBenchConfig(
+            model=model,
+            sizes=tuple(int(n) for n in names(tp)),
+            dtype=dtype,
+            device=device,
+            threads=threads,
+            new_tokens=new_tokens,
+            rounds=rounds,
+        ),
+        quick,
+        run_tp_bench,
+        json_out,
+        console,
+    )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -20,10 +20,14 @@ from tandem.cli.options import (
     QuantOpt,
     SpecCostOpt,
     SpecOpt,
+    TPOpt,
     console,
     speculative_option,
 )
 from tandem.config import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from tandem.engine import LLM
 
 
 def generate(
@@ -48,9 +52,10 @@ def generate(
     kv_cache_dtype: KVCacheDtypeOpt = "auto",
     attention_backend: AttentionBackendOpt = "auto",
     cuda_graphs: CudaGraphsOpt = True,
+    tp: TPOpt = 1,
 ) -> None:
     """Generate a completion with the offline engine, streamed to the terminal."""
-    from tandem.engine import LLM, SamplingParams
+    from tandem.engine import LLM
 
     speculative = speculative_option(
         spec, draft_model, num_speculative_tokens=num_spec_tokens, cost_aware=spec_cost_aware
@@ -67,9 +72,27 @@ def generate(
             kv_cache_dtype=kv_cache_dtype,
             attention_backend=attention_backend,
             cuda_graphs=cuda_graphs,
+            tensor_parallel_size=tp,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+    try:
+        _stream(llm, prompt, chat, max_tokens, temperature, top_p, seed)
+    finally:
+        llm.close()
+
+
+def _stream(
+    llm: LLM,
+    prompt: str,
+    chat: bool,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+) -> None:
+    from tandem.engine import SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     try:
         params.validate(llm.engine.vocab_size)

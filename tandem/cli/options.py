@@ -36,6 +36,14 @@ SpecCostOpt = Annotated[
     bool,
     typer.Option(help="Draft only as far as measured step times say it pays (off: always draft)."),
 ]
+TPOpt = Annotated[
+    int,
+    typer.Option(
+        "--tp",
+        help="Tensor-parallel ranks: the model split over this many local processes (Gloo on "
+        "CPU, NCCL over this host's GPUs); must divide the attention heads and the MLP size.",
+    ),
+]
 QuantOpt = Annotated[str | None, typer.Option(help="Weights of the linear layers: int8 | int4.")]
 GroupSizeOpt = Annotated[
     int, typer.Option(help="int4: input channels per scale and zero (32 | 64 | 128 | 256).")

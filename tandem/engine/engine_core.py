@@ -49,8 +49,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
         self.config = config
         mc = config.model
-        if mc.num_threads is not None and model_device(mc).type == "cpu":
-            torch.set_num_threads(mc.num_threads)
+        if mc.cpu_threads is not None and model_device(mc).type == "cpu":
+            torch.set_num_threads(mc.cpu_threads)
         self.model_path = hub.resolve(mc.model)
         self.executor = load_executor(config, self.model_path)
         self.model, self.runner = self.executor.model, self.executor.runner
@@ -147,6 +147,10 @@ class EngineCore:
         if self.spec_decoder is not None and not req.status.finished:
             self.spec_decoder.adopt(req, handover)
         return req
+
+    def close(self) -> None:
+        """Stop what runs beside this process (a tensor-parallel engine's other ranks)."""
+        self.executor.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -4,7 +4,8 @@
 weights onto a `ModelRunner`; "sim" (sim.py) stands the real model's config, without weights, on
 a `SimRunner` that sleeps the modelled step times, and has a decode worker see each KV arrival
 once its modelled transfer would be done. `EngineCore` and the workers use what is built here
-without knowing which kind it is.
+without knowing which kind it is. A real engine of `tensor_parallel_size` > 1 is rank 0 of that
+many ranks (`TPExecutor`, tandem/engine/tp/): the others start here as processes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from tandem.engine.sim import (
     TimedArrival,
 )
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
+from tandem.engine.tp.group import TPGroup
+from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankProcesses, TPModelRunner
+from tandem.engine.tp.shard import check_tensor_parallel
 from tandem.model_config import load_config
 
 Model = LlamaForCausalLM | SimModel
@@ -51,6 +55,19 @@ class Executor:
         each as it lands."""
         return source
 
+    def close(self) -> None:
+        """Release what runs the steps beside this process (nothing here)."""
+
+
+@dataclass(frozen=True)
+class TPExecutor(Executor):
+    """Rank 0 of a tensor-parallel engine, with the processes of the other ranks."""
+
+    ranks: RankProcesses
+
+    def close(self) -> None:
+        self.ranks.stop()
+
 
 @dataclass(frozen=True)
 class SimExecutor(Executor):
@@ -67,27 +84,50 @@ def num_kv_blocks(cache: CacheConfig, bytes_per_block: int) -> int:
 
 
 def load_real(config: EngineConfig, model_path: Path) -> Executor:
-    """The model's weights on a `ModelRunner`; each KV block's bytes count a draft model's too."""
+    """The model's weights on a `ModelRunner`, or rank 0's shard of them on a `TPModelRunner`
+    once the other ranks have started and loaded theirs."""
+    mc = config.model
+    if mc.tensor_parallel_size == 1:
+        return load_rank(config, model_path, None)
+    # Refused before any process starts.
+    check_tensor_parallel(
+        load_config(model_path), mc.tensor_parallel_size, mc.quantization, mc.quant_group_size
+    )
+    ranks = RankProcesses.start(config, model_path, serve_rank)
+    try:
+        executor = load_rank(config, model_path, ranks.group)
+        ranks.group.barrier(LOAD_TIMEOUT)  # every rank has loaded its shard
+    except BaseException:
+        ranks.kill()
+        raise
+    return TPExecutor(executor.model, executor.runner, executor.num_blocks, ranks)
+
+
+def load_rank(config: EngineConfig, model_path: Path, tp: TPGroup | None) -> Executor:
+    """The model's weights (with `tp`, the rank's shard) on a runner; each KV block's bytes
+    (the rank's heads) count a draft model's too."""
     mc, block_size, cache_dtype = config.model, config.cache.block_size, kv_dtype(config)
+    device = model_device(mc) if tp is None else tp.device
     model = load_model(
         model_path,
-        backend_class(mc.attention_backend, model_device(mc), cache_dtype),
+        backend_class(mc.attention_backend, device, cache_dtype),
         block_size,
         model_dtype(mc),
-        model_device(mc),
+        device,
         mc.quantization,
         mc.quant_group_size,
         mc.kernel_routes,
+        tp,
     )
     bytes_per_block = kv_bytes_per_token(model.cfg, cache_dtype) * block_size
     bytes_per_block += draft_kv_bytes_per_block(
         config.spec, block_size, cache_dtype, model_dtype(mc)
     )
     num_blocks = num_kv_blocks(config.cache, bytes_per_block)
-    runner = ModelRunner(
-        model, num_blocks, block_size, cache_dtype, model_device(mc), model.cfg.eos_token_ids
-    )
-    cuda = model_device(mc).type == "cuda"
+    args = (model, num_blocks, block_size, cache_dtype, device, model.cfg.eos_token_ids)
+    runner = ModelRunner(*args) if tp is None else TPModelRunner(*args, group=tp)
+    # Graphs for one device only: a tensor-parallel step's collectives run eagerly.
+    cuda = device.type == "cuda" and tp is None
     if mc.cuda_graphs and cuda and isinstance(model.backend, TritonPagedBackend):
         spec = config.spec
         query_lens = (1,) if spec.method is None else (1, spec.num_speculative_tokens + 1)
@@ -95,6 +135,14 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
         buckets = batch_buckets(config.scheduler.max_num_seqs)
         runner.graphs = CudaGraphs(model, buckets, query_lens, max_model_len)
     return Executor(model, runner, num_blocks)
+
+
+def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup) -> None:
+    """A rank other than 0: load its shard, meet the others, run rank 0's steps until stopped."""
+    runner = load_rank(config, model_path, tp).runner
+    assert isinstance(runner, TPModelRunner)
+    tp.barrier(LOAD_TIMEOUT)
+    runner.serve()
 
 
 def load_sim(config: EngineConfig, model_path: Path) -> Executor:

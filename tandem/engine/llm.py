@@ -67,6 +67,10 @@ class LLM:
         self.tokenizer = load_tokenizer(self.engine.model_path)
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (also done at exit)."""
+        self.engine.close()
+
     # -- prompts ------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:

@@ -267,6 +267,7 @@ def test_cli_generate(llm: LLM, cli: tuple[CliRunner, list[dict[str, Any]]]) -> 
             "kv_cache_dtype": "auto",
             "attention_backend": "auto",
             "cuda_graphs": True,
+            "tensor_parallel_size": 1,
         }
     ]
     (expected,) = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=0.0))

@@ -13,6 +13,8 @@ import torch
 from tandem.engine import routes
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.tp.group import TPGroup
+from tandem.engine.tp.shard import Shard
 from tandem.model_config import ModelConfig, load_config
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
@@ -27,20 +29,29 @@ def load_model(
     quantization: str | None = None,
     quant_group_size: int = 32,
     kernel_routes: str = "auto",
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """The model in `dtype` on `device`; `quantization` ("int8" | "int4") then quantizes the
     decoder layers' linear layers (tandem/engine/quant/); on CPU its products take the routes
-    `kernel_routes` says (tandem/engine/routes.py)."""
+    `kernel_routes` says (tandem/engine/routes.py). With `tp`, this rank's shard of it
+    (tandem/engine/tp/shard.py), loaded without holding the whole model."""
     from tandem.engine.models.loader import iter_weights
     from tandem.engine.quant.model import gguf_direct_weights, quantize_model
 
     cfg = load_config(path)
-    backend = backend_cls(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, block_size)
-    model = LlamaForCausalLM(cfg, backend, dtype, device)
-    model.load_weights(iter_weights(path))
+    shard = None if tp is None else Shard(cfg, tp.rank, tp.size)
+    local = cfg if shard is None else shard.config
+    backend = backend_cls(local.num_heads, local.num_kv_heads, local.head_dim, block_size)
+    model = LlamaForCausalLM(local, backend, dtype, device, tp)
+    direct = {}
     if quantization is not None:
         direct = gguf_direct_weights(path, quantization, quant_group_size)
-        quantize_model(model, quantization, quant_group_size, direct)
+    if shard is not None:
+        shard.load(model, iter_weights(path), quantization, quant_group_size, direct)
+    else:
+        model.load_weights(iter_weights(path))
+        if quantization is not None:
+            quantize_model(model, quantization, quant_group_size, direct)
     if device.type == "cpu":
         routes.bind(model.routed_products(), kernel_routes, exact=dtype == torch.bfloat16)
     return model.eval()

@@ -3,6 +3,10 @@
 Tokens of all requests in a step are flattened into one `[num_tokens]` batch; attention is the
 only place that knows about requests (through `AttentionMetadata`). Projections are fused at load
 time (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a layer costs four matmuls.
+
+Under tensor parallelism (`tp`, tandem/engine/tp/) `cfg` is the rank's own (its heads and
+intermediate channels): o_proj and down_proj give partial sums that one all-reduce each
+completes, the embedding holds a slice of the vocabulary, and the logits are gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.models import decode_plan
 from tandem.engine.models.linear import DenseProduct, Linear
 from tandem.engine.models.rope import RotaryEmbedding, apply_rotary
+from tandem.engine.tp.group import TPGroup
+from tandem.engine.tp.layers import VocabParallelEmbedding, gather_rescored_logits
 from tandem.model_config import ModelConfig
 
 if TYPE_CHECKING:  # quant/model.py imports this module
@@ -56,9 +62,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.qkv_proj = Linear(
             cfg.hidden_size,
             cfg.q_size + 2 * cfg.kv_size,
@@ -89,12 +97,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos_sin)
         o = self.backend.forward(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
-        return self.o_proj(o)
+        out = self.o_proj(o)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TPGroup | None = None,
+    ) -> None:
         super().__init__()
+        self.tp = tp
         self.gate_up_proj = Linear(
             cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype, device=device
         )
@@ -103,7 +119,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+        out = self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -113,12 +130,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.self_attn = Attention(cfg, backend, dtype, device)
+        self.self_attn = Attention(cfg, backend, dtype, device, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
-        self.mlp = MLP(cfg, dtype, device)
+        self.mlp = MLP(cfg, dtype, device, tp)
 
     def forward(
         self,
@@ -140,10 +158,12 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.tp = tp
         self.rope = RotaryEmbedding(
             cfg.head_dim,
             cfg.max_position_embeddings,
@@ -152,17 +172,20 @@ class LlamaForCausalLM(nn.Module):
             dtype,
             device,
         )
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device
+        vocab_rows = cfg.vocab_size if tp is None else -(-cfg.vocab_size // tp.size)
+        self.embed_tokens = (
+            nn.Embedding(vocab_rows, cfg.hidden_size, dtype=dtype, device=device)
+            if tp is None
+            else VocabParallelEmbedding(vocab_rows, cfg.hidden_size, tp, dtype, device)
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, dtype, device) for _ in range(cfg.num_layers)
+            DecoderLayer(cfg, backend, dtype, device, tp) for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, device)
         self.lm_head = None
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(
-                cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=device
+                cfg.hidden_size, vocab_rows, bias=False, dtype=dtype, device=device
             )
         # The logits' product over the LM head's (or the tied embedding's) weight, and an int8
         # copy of it (set by quant/model.py) for the logits of steps of few rows; the float
@@ -212,11 +235,20 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        """The logits of `hidden`'s rows; under tensor parallelism every rank calls it and only
+        rank 0's are the logits (the others get their vocabulary slice's)."""
         weight = self.lm_head_weight
         head = self.quantized_lm_head
         if head is not None and hidden.shape[0] <= head.max_rows:
-            return head(hidden, weight)
-        return self.head_product(hidden).float()
+            if self.tp is not None:
+                candidates = head.candidates(hidden, weight)
+                return gather_rescored_logits(self.tp, *candidates, self.cfg.vocab_size)
+            logits = head(hidden, weight)
+        else:
+            logits = self.head_product(hidden).float()
+        if self.tp is None:
+            return logits
+        return self.tp.gather_columns(logits)[:, : self.cfg.vocab_size]
 
     def decode_weight_bytes(self, rows: int = 1) -> int:
         """Bytes of weights a decode step of `rows` rows reads: the decoder layers' linear

@@ -11,15 +11,18 @@ import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 import torch
 from safetensors import safe_open
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tandem.model_config import ModelConfig, is_gguf, load_config
 from tandem.tokenizer import tokenizer_dir
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Types `gguf.quants.dequantize` handles that we have checked against transformers' loader.
 GGUF_TENSOR_TYPES = frozenset(
@@ -67,7 +70,10 @@ def iter_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The checkpoint's tokenizer as `transformers` has it (the router reads the same files
-    without transformers: `tandem.tokenizer`)."""
+    without transformers: `tandem.tokenizer`). transformers is imported here, not with the
+    module: the ranks of a tensor-parallel engine load weights only, and start seconds sooner."""
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(tokenizer_dir(path)))
 
 

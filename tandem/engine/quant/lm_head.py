@@ -53,10 +53,19 @@ class QuantizedLMHead(nn.Module):
         hidden: torch.Tensor,  # [rows, hidden], rows <= max_rows
         weight: torch.Tensor,  # [vocab, hidden] the float weight it was quantized from
     ) -> torch.Tensor:  # [rows, vocab] float32
+        logits, top, exact = self.candidates(hidden, weight)
+        return logits.scatter_(-1, top, exact)
+
+    def candidates(
+        self, hidden: torch.Tensor, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The int8 logits [rows, vocab], the indices of the highest `RESCORED` of them and
+        their exact values [rows, RESCORED] (a tensor-parallel head merges those of its ranks,
+        tandem/engine/tp/layers.py)."""
         logits = self.int8(hidden).float()
         top = logits.topk(RESCORED, dim=-1).indices  # [rows, RESCORED]
         exact = (weight[top].float() * hidden.float()[:, None, :]).sum(dim=-1)  # [rows, RESCORED]
-        return logits.scatter_(-1, top, exact)
+        return logits, top, exact
 
 
 def quantize_lm_head(weight: torch.Tensor) -> QuantizedLMHead | None:

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from tandem.config import QUANT_METHODS
@@ -77,15 +78,19 @@ def quantize_linear(
     """`linear` quantized from its weight, then `parts` ((row offset, weight)) copied over."""
     weight = linear.weight.detach()  # [out, in]
     bias = None if linear.bias is None else linear.bias.detach()
-    if method == "int8":
-        q8 = quantize_int8(weight)
-        for offset, part in parts:
-            replace_rows(q8, offset, part)
-        return Int8Linear(q8, bias, weight.dtype, weight.device)
-    q4 = quantize_int4(weight, layer_group_size(linear.in_features, group_size))
+    quantized = quantize_weight(weight, method, group_size)
     for offset, part in parts:
-        replace_rows(q4, offset, part)
-    return Int4Linear(q4, bias, weight.dtype, weight.device)
+        replace_rows(quantized, offset, part)
+    if isinstance(quantized, Int8Weight):
+        return Int8Linear(quantized, bias, weight.dtype, weight.device)
+    return Int4Linear(quantized, bias, weight.dtype, weight.device)
+
+
+def quantize_weight(weight: torch.Tensor, method: str, group_size: int) -> QuantWeight:
+    """`weight` ([out, in]) in `method`; int4's `group_size` halved where it does not divide in."""
+    if method == "int8":
+        return quantize_int8(weight)
+    return quantize_int4(weight, layer_group_size(weight.shape[1], group_size))
 
 
 def replace_rows(base: QuantWeight, offset: int, part: QuantWeight) -> None:

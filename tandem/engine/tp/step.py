@@ -1,0 +1,68 @@
+"""The step message: what rank 0 broadcasts so that every rank runs the same forward.
+
+A step is its flattened tokens, their positions, where each request's query sits in its KV
+blocks (`SeqSpec`) and the rows whose logits the sampler reads; the other ranks need nothing else
+of the scheduler. It travels as two int64 tensors: a header of sizes, then the payload (tokens,
+positions, each request's computed tokens, query length and block count, the block ids, the
+sampled rows). A header of kind STOP ends the ranks' loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from tandem.engine.attention import SeqSpec
+from tandem.engine.tp.group import TPGroup
+
+STEP, STOP = 1, 0
+HEADER_LEN = 5  # kind, tokens, requests, block ids, sampled rows
+# How long a rank waits for rank 0's next step (an idle engine sends none); a rank 0 that died
+# ends the wait at once (its connections close).
+IDLE_TIMEOUT = timedelta(days=1)
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    seqs: list[SeqSpec]  # in token order
+    sample_indices: torch.Tensor  # [num_rows] int64: the rows whose logits rank 0 samples
+
+    def send(self, group: TPGroup) -> None:
+        """Rank 0: broadcast this step to the other ranks."""
+        dev, blocks = group.device, [b for s in self.seqs for b in s.block_table]
+        seq_fields = [
+            f for s in self.seqs for f in (s.num_computed_tokens, s.query_len, len(s.block_table))
+        ]
+        sizes = [len(self.input_ids), len(self.seqs), len(blocks), len(self.sample_indices)]
+        group.broadcast(torch.tensor([STEP, *sizes], device=dev))
+        tables = torch.tensor(seq_fields + blocks, dtype=torch.long, device=dev)
+        parts = [self.input_ids, self.positions, tables, self.sample_indices]
+        group.broadcast(torch.cat([p.to(dev, torch.long) for p in parts]))
+
+    @classmethod
+    def receive(cls, group: TPGroup) -> StepMessage | None:
+        """Ranks 1..: rank 0's next step, or None when it stops the ranks."""
+        header = torch.zeros(HEADER_LEN, dtype=torch.long, device=group.device)
+        kind, tokens, num_seqs, num_blocks, rows = group.broadcast(header, IDLE_TIMEOUT).tolist()
+        if kind == STOP:
+            return None
+        sizes = [tokens, tokens, 3 * num_seqs, num_blocks, rows]
+        payload = torch.empty(sum(sizes), dtype=torch.long, device=group.device)
+        input_ids, positions, seq_fields, blocks, sample_indices = group.broadcast(payload).split(
+            sizes
+        )
+        block_ids = blocks.tolist()
+        seqs, start = [], 0
+        for computed, query_len, num in seq_fields.view(-1, 3).tolist():
+            seqs.append(SeqSpec(computed, query_len, block_ids[start : start + num]))
+            start += num
+        return cls(input_ids, positions, seqs, sample_indices)
+
+
+def send_stop(group: TPGroup) -> None:
+    """Rank 0: end the other ranks' loop."""
+    group.broadcast(torch.tensor([STOP] + [0] * (HEADER_LEN - 1), device=group.device))
