@@ -15,9 +15,6 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
 
-import llguidance
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
-
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -57,6 +54,9 @@ class StructuredOutput:
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form) that the output must match; ValueError, naming
         `source`, for a GBNF grammar that cannot be read."""
+        import llguidance  # on a grammar's first use: engines without one never load it
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
         grammar_from = llguidance.LLMatcher
         if self.kind == "json_schema":
             return grammar_from.grammar_from_json_schema(self.spec, defaults=_JSON_OPTIONS)
@@ -84,6 +84,8 @@ class StructuredOutput:
                 raise ValueError(f"{self.source}: give at least one choice, none of them empty")
         if self.kind in ("regex", "grammar") and not self.spec:
             raise ValueError(f"{self.source}: the {self.kind} must not be empty")
+        import llguidance
+
         error = llguidance.LLMatcher.validate_grammar(self.grammar)  # ValueError from grammar
         if error:
             raise ValueError(f"{self.source}: invalid {self.kind.replace('_', ' ')}: {error}")

@@ -28,14 +28,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import llguidance
 import numpy as np
 import torch
-from llguidance.torch import fill_next_token_bitmask
 from torch import Tensor
 
 from tandem.structured import StructuredOutput
+
+if TYPE_CHECKING:  # imported on a grammar's first use: engines without one never load it
+    import llguidance
 
 GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per engine, least recently used dropped
 
@@ -84,7 +86,8 @@ class GrammarMatcher:
                 for eos in self.eos_token_ids:
                     words[eos // 32] |= np.uint32(1 << (eos % 32))
             else:
-                fill_next_token_bitmask(self.matcher, bitmask, first_row + i)
+                row = bitmask[first_row + i]  # contiguous int32 words
+                self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
             if i < valid:
                 self.matcher.consume_token(draft_token_ids[i])
         self.matcher.rollback(valid)
@@ -109,6 +112,8 @@ class GrammarCache:
 
     @cached_property
     def tokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         return llguidance.LLTokenizer(
             self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
         )
@@ -121,6 +126,8 @@ class GrammarCache:
         key = structured.grammar
         compiled = self._compiled.get(key)
         if compiled is None:
+            import llguidance
+
             compiled = llguidance.LLMatcher(self.tokenizer, key, log_level=0)
             if compiled.is_error():
                 raise ValueError(f"{structured.source}: {compiled.get_error()}")

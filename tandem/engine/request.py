@@ -11,12 +11,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from tandem.engine.grammar import GrammarMatcher
 from tandem.engine.spec.adaptive import Acceptance
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

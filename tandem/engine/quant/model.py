@@ -20,8 +20,6 @@ from torch import nn
 
 from tandem.config import QUANT_METHODS
 from tandem.engine.models.llama import LlamaForCausalLM, fused_target
-from tandem.engine.models.loader import iter_gguf_blocks
-from tandem.engine.quant.gguf_blocks import direct_types, map_blocks
 from tandem.engine.quant.int4 import Int4Linear, Int4Weight, layer_group_size, quantize_int4
 from tandem.engine.quant.int8 import Int8Linear, Int8Weight, quantize_int8
 from tandem.engine.quant.lm_head import quantize_lm_head
@@ -32,6 +30,9 @@ QuantWeight = Int4Weight | Int8Weight
 def gguf_direct_weights(path: Path, method: str, group_size: int) -> dict[str, QuantWeight]:
     """HF name -> weight for the decoder-layer tensors of a GGUF file that map into `method`
     without the float model (none for an HF directory)."""
+    from tandem.engine.models.loader import iter_gguf_blocks  # the GGUF reader: loads only
+    from tandem.engine.quant.gguf_blocks import direct_types, map_blocks
+
     blocks = iter_gguf_blocks(path, direct_types(method, group_size))
     return dict(map_blocks(b for b in blocks if b[0].startswith("model.layers.")))
 
