@@ -8,7 +8,10 @@ pick         a decode worker D, and a prefill worker P unless the prompt is shor
              from the pick until the `Route` ends
 Decode(D)    D reserves blocks and answers with the KV ticket
 Prefill(P)   in the background: P computes the prompt and pushes its KV to D. A P that fails
-             is retried once on another P; then D prefills locally (`on_prefill_failure`)
+             is retried once on another P; then D prefills locally (`on_prefill_failure`),
+             unless D already streams (it computed the prompt itself when the transfer
+             failed on its side). A queue on P does not fail the transfer: P renews it
+             while the request waits there, up to the request's deadline
 relay        D's token chunks -> incremental detokenizer (stop strings) -> the client
 migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final chunk): D
              is marked down and the request resumes on another D with the tokens already
@@ -97,6 +100,7 @@ class Route:
     ticket: Any
     prefill: Lease | None
     go_local: asyncio.Event = field(default_factory=asyncio.Event)  # no P could push the KV
+    decoding: bool = False  # D has sent a token: it holds the prompt's KV, however it got there
     _prefill_task: asyncio.Task[None] | None = field(default=None, init=False)
 
     def start_prefill(self, prefill: Coroutine[Any, Any, None]) -> None:
@@ -484,10 +488,14 @@ class Router:
                 return relay.final([], "abort")
             if msg != "local":
                 break
+            if route.decoding:  # D fell back to its own prefill first (`on_transfer_failure`)
+                route.go_local = asyncio.Event()
+                continue
             await self._prefill_on_decode(route, wreq, prep, relay.timings)
         if msg is grpc.aio.EOF:
             raise DecodeLost(route.decode.worker, "the stream ended without a final chunk")
         assert isinstance(msg, wpb.DecodeResponse)
+        route.decoding = True
         return relay.delta(msg.tokens)
 
     async def _prefill_on_decode(

@@ -85,6 +85,23 @@ def api_key_from_environment() -> str | None:
     return os.environ.get("TANDEM_API_KEY") or None
 
 
+FAULT_PREFILL_STEP_DELAY = "TANDEM_FAULT_PREFILL_STEP_DELAY_S"
+
+
+def fault_prefill_step_delay_s() -> float:
+    """Fault injection, for tests only: seconds each prefill worker's engine step is held up
+    (`$TANDEM_FAULT_PREFILL_STEP_DELAY_S`; unset or 0: none), so that a prefill slowed past its
+    transfer's deadline stays covered on a machine fast enough never to miss one."""
+    value = os.environ.get(FAULT_PREFILL_STEP_DELAY) or "0"
+    try:
+        delay = float(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_PREFILL_STEP_DELAY} must be seconds, got {value!r}") from None
+    if delay < 0:
+        raise ValueError(f"{FAULT_PREFILL_STEP_DELAY} must be >= 0, got {delay}")
+    return delay
+
+
 def put_python_bin_on_path() -> None:
     """Let this process's children find the tools installed beside its Python (ninja)."""
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
