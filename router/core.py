@@ -3,7 +3,9 @@
 prepare      tokenize (chat template), validate -> Prepared      INVALID_ARGUMENT, NOT_FOUND
 admit        a dispatch slot from a bounded queue                  RESOURCE_EXHAUSTED
 pick         a decode worker D, and a prefill worker P unless the prompt is short
-             (conditional disaggregation: D prefills it)           UNAVAILABLE
+             (conditional disaggregation: D prefills it). With no D serving, wait for a
+             replacement up to `decode_wait_s`                     UNAVAILABLE
+             (at most `max_decode_waiters` wait)                   RESOURCE_EXHAUSTED
              Each pick is a lease (`inflight.py`): the request counts on the worker
              from the pick until the `Route` ends
 Decode(D)    D reserves blocks and answers with the KV ticket
@@ -16,8 +18,9 @@ relay        D's token chunks -> incremental detokenizer (stop strings) -> the c
 migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final chunk): D
              is marked down and the request resumes on another D with the tokens already
              sent appended to its prompt (`_resumed`), prefilled as any request; the relay
-             carries on, so the client sees one stream. At most MAX_MIGRATIONS times;
-             with no decode worker left                            UNAVAILABLE
+             carries on, so the client sees one stream (waiting, as a new request does,
+             for a replacement when no D is left). At most MAX_MIGRATIONS times, else
+                                                                   UNAVAILABLE
 end          usage and timings; a stop string, an Abort, a client that leaves, or the
              deadline cancels both calls, and the workers free the request's blocks
 """
@@ -58,6 +61,7 @@ LOCAL_PREFILL_SUFFIX = "/local"  # the worker-side id of a request D prefills it
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this often
 MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
+DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
 
 
 class DecodeLost(Exception):
@@ -139,6 +143,7 @@ class Router:
         self.local_prefills = 0
         self.prefill_retries = 0
         self.migrations = 0
+        self.decode_waiters = 0  # requests waiting for a decode worker now
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: dict[str, asyncio.Event] = {}
         self._ids = itertools.count()
@@ -359,9 +364,7 @@ class Router:
         """Pick P unless D prefills the prompt itself (a short prompt, or no prefill worker),
         then open Decode on a picked D (not one in `lost`). P counts from its pick, before D
         is picked."""
-        decodes = [w for w in self._live("decode") if w.worker_id not in lost]
-        if not decodes:
-            raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
+        decodes = await self._decode_workers(lost)
         ctx = PickContext(prep.prompt_token_ids, self.inflight)
         prefills = self._live("prefill")
         local = len(prep.prompt_token_ids) <= self.config.local_prefill_tokens or not prefills
@@ -373,6 +376,32 @@ class Router:
                 prefill.release()
             raise
         return Route(decode, call, ticket, prefill)
+
+    async def _decode_workers(self, lost: set[str]) -> list[WorkerRecord]:
+        """The decode workers the request may use (none in `lost`). With none, wait for one
+        (a replacement starting) up to `decode_wait_s`; the request's deadline cuts the wait
+        short. UNAVAILABLE when none came, RESOURCE_EXHAUSTED when too many wait already."""
+        decodes = [w for w in self._live("decode") if w.worker_id not in lost]
+        if decodes:
+            return decodes
+        wait_s = self.config.decode_wait_s
+        if wait_s > 0 and self.decode_waiters >= self.config.max_decode_waiters:
+            raise RouterError(
+                ErrorKind.OVERLOADED,
+                f"{self.decode_waiters} requests already wait for a decode worker",
+                retry_after_s=1.0,
+            )
+        self.decode_waiters += 1
+        try:
+            end = time.monotonic() + wait_s
+            while not decodes and time.monotonic() < end:
+                await asyncio.sleep(DECODE_POLL_S)
+                decodes = [w for w in self._live("decode") if w.worker_id not in lost]
+        finally:
+            self.decode_waiters -= 1
+        if not decodes:
+            raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
+        return decodes
 
     async def _open_decode(
         self,

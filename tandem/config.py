@@ -374,6 +374,11 @@ class RouterConfig:
     max_inflight: int = 256
     max_queue: int = 1024
     timeout_s: float = 600.0  # a request's deadline unless it asks for a shorter one
+    # With no decode worker serving, a request (new, or migrating off a dead one) waits this
+    # long in the router for a replacement (its deadline bounds the wait too), then UNAVAILABLE;
+    # 0: at once. At most `max_decode_waiters` wait; more: RESOURCE_EXHAUSTED.
+    decode_wait_s: float = 30.0
+    max_decode_waiters: int = 256
     max_model_len: int | None = None
     # `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and tandem.v1.Tandem (auth.py);
     # None: open. Kept out of repr, so a logged config does not leak it.
@@ -384,3 +389,7 @@ class RouterConfig:
             raise ValueError("api_key must not be empty (None leaves the APIs open)")
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
             raise ValueError(f"on_prefill_failure must be one of {ON_PREFILL_FAILURE}")
+        if self.decode_wait_s < 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s}")
+        if self.max_decode_waiters < 0:
+            raise ValueError(f"max_decode_waiters must be >= 0, got {self.max_decode_waiters}")

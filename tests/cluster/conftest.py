@@ -90,7 +90,8 @@ def tiny(tiny_long_path: Path) -> Iterator[LocalCluster]:
         http_port=0,
         grpc_port=0,
         heartbeat_ttl_s=TINY_TTL_S,
-        router=RouterConfig(str(tiny_long_path)),  # the default policies
+        # the default policies; a replacement decode worker may start slowly on a busy machine
+        router=RouterConfig(str(tiny_long_path), decode_wait_s=120.0),
         worker_args=["--kv-memory-gib", "0.1", "--num-threads", "1"],
     )
     with running(cluster):
