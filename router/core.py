@@ -106,6 +106,7 @@ class Route:
     go_local: asyncio.Event = field(default_factory=asyncio.Event)  # no P could push the KV
     decoding: bool = False  # D has sent a token: it holds the prompt's KV, however it got there
     _prefill_task: asyncio.Task[None] | None = field(default=None, init=False)
+    _read: asyncio.Future[Any] | None = field(default=None, init=False)  # D's pending read
 
     def start_prefill(self, prefill: Coroutine[Any, Any, None]) -> None:
         """Run the prefill in the background; P's lease ends with the task (also with one
@@ -114,11 +115,39 @@ class Route:
         self._prefill_task = asyncio.create_task(prefill)
         self._prefill_task.add_done_callback(self.prefill.release)
 
+    async def next_message(self, abort: asyncio.Event) -> Any:
+        """D's next message, or "abort" / "local" if that event comes first. A read that loses
+        the race stays pending for the next call: a cancelled read breaks a grpc.aio stream."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(self.call.read())
+        waits = {
+            asyncio.ensure_future(abort.wait()): "abort",
+            asyncio.ensure_future(self.go_local.wait()): "local",
+        }
+        done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self._read in done:
+            read, self._read = self._read, None
+            return read.result()
+        return next(name for w, name in waits.items() if w in done)
+
+    def reopen(self, call: Any) -> None:
+        """Replace D's call (cancelled, with its pending read) by `call`."""
+        self._end_call()
+        self.call = call
+
+    def _end_call(self) -> None:
+        self.call.cancel()
+        if self._read is not None:
+            self._read.cancel()
+            self._read = None
+
     def __enter__(self) -> Route:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.call.cancel()
+        self._end_call()
         if self._prefill_task is not None:
             self._prefill_task.cancel()  # a no-op when it has ended
         elif self.prefill is not None:
@@ -512,7 +541,7 @@ class Router:
     ) -> Delta:
         """The client's next message, from D's next chunk; the final one on an abort."""
         while True:
-            msg = await _read_or(route.call, abort, route.go_local)
+            msg = await route.next_message(abort)
             if msg == "abort":
                 return relay.final([], "abort")
             if msg != "local":
@@ -533,7 +562,6 @@ class Router:
         """No prefill worker could push the KV: reopen Decode on D to compute it there."""
         if self.config.on_prefill_failure == "fail":
             raise RouterError(ErrorKind.UNAVAILABLE, "no prefill worker could serve")
-        route.call.cancel()
         self.local_prefills += 1
         timings["prefill_worker"] = ""
         # A request id of its own: D learns of the first call's cancel on another thread, and
@@ -542,7 +570,7 @@ class Router:
         local = wpb.WorkerRequest()
         local.CopyFrom(wreq)
         local.request_id = f"{wreq.request_id}{LOCAL_PREFILL_SUFFIX}"
-        route.call = self._decode_call(route.decode.worker, local, True, prep)
+        route.reopen(self._decode_call(route.decode.worker, local, True, prep))
         await self._read_ticket(route.call, route.decode.worker)
         route.go_local = asyncio.Event()
 
@@ -606,19 +634,3 @@ def _resumed(prep: Prepared, sent: list[int], migration: int) -> Prepared:
 def _time_left(prep: Prepared) -> float:
     """The gRPC timeout of a worker call: what is left to the deadline (never zero)."""
     return max(prep.deadline - time.monotonic(), 0.001)
-
-
-async def _read_or(call: Any, abort: asyncio.Event, go_local: asyncio.Event) -> Any:
-    """The call's next message, or "abort" / "local" if that event comes first."""
-    read = asyncio.ensure_future(call.read())
-    waits = {
-        asyncio.ensure_future(abort.wait()): "abort",
-        asyncio.ensure_future(go_local.wait()): "local",
-    }
-    done, _ = await asyncio.wait([read, *waits], return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
-    if read in done:
-        return read.result()
-    read.cancel()
-    return next(name for w, name in waits.items() if w in done)
