@@ -22,7 +22,9 @@ migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final 
              for a replacement when no D is left). At most MAX_MIGRATIONS times, else
                                                                    UNAVAILABLE
 end          usage and timings; a stop string, an Abort, a client that leaves, or the
-             deadline cancels both calls, and the workers free the request's blocks
+             deadline cancels both calls, and the workers free the request's blocks. An
+             Abort that reaches a router replica not holding the request is forwarded to
+             the others (`forward_abort`: the registry's pub/sub)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -156,9 +158,17 @@ class Route:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, snapshot: RegistrySnapshot) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        snapshot: RegistrySnapshot,
+        forward_abort: Callable[[str], int] | None = None,
+    ) -> None:
         self.config = config
         self.snapshot = snapshot
+        # Asks the other router replicas to abort a request: how many replicas listen (this
+        # one included), 0 when that could not be sent.
+        self.forward_abort = forward_abort
         path = hub.resolve(config.model)
         self.tokenizer = load_tokenizer(path)
         cfg = load_config(path)
@@ -301,10 +311,20 @@ class Router:
     # -- generate -----------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
+        """Abort a request this replica holds; whether it holds it."""
         event = self._aborts.get(request_id)
         if event is not None:
             event.set()
         return event is not None
+
+    async def abort_anywhere(self, request_id: str) -> bool:
+        """Abort the request on whichever router replica holds it: True when this one does,
+        or when the abort went out to another replica (which aborts it if it holds it)."""
+        if self.abort(request_id):
+            return True
+        if self.forward_abort is None:
+            return False
+        return await asyncio.to_thread(self.forward_abort, request_id) > 1
 
     async def generate(self, prep: Prepared) -> AsyncIterator[Delta]:
         """Deltas until the request finishes; RouterError if it cannot be served."""

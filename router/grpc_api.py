@@ -93,7 +93,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
     async def Abort(
         self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.AbortResponse:
-        return api_pb2.AbortResponse(found=self.router.abort(request.request_id))
+        return api_pb2.AbortResponse(found=await self.router.abort_anywhere(request.request_id))
 
     async def ListModels(
         self, request: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
