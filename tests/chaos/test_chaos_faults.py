@@ -21,9 +21,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 from chaos_load import Load, check_outcomes
-from cluster_helpers import sigkill, wait_for, wait_router_idle, wait_workers_idle, workers
+from cluster_helpers import (
+    redis_pid,
+    running,
+    sigkill,
+    wait_for,
+    wait_router_idle,
+    wait_workers_idle,
+    workers,
+)
 from conftest import TTL_S, WORKER_ARGS, Reference, reference_of
 
 from tandem.cluster.local_cluster import LocalCluster
@@ -49,11 +56,8 @@ def cluster(tiny_llama_path: Path) -> Iterator[LocalCluster]:
         router=RouterConfig(str(tiny_llama_path), decode_wait_s=60.0),
         restart_workers=True,
     )
-    try:
-        local.start(180.0)
+    with running(local):
         yield local
-    finally:
-        local.stop()
 
 
 @pytest.fixture(scope="module")
@@ -130,43 +134,32 @@ def test_a_cancel_storm_leaks_nothing(
     assert kinds["cancelled by the client"] >= storm // 2
 
 
-def redis_pid(url: str) -> int | None:
-    client = redis.Redis.from_url(url, socket_timeout=1.0)
-    try:
-        return int(client.info("server")["process_id"])
-    except redis.ConnectionError:
-        return None
-    finally:
-        client.close()
+def signal_redis(cluster: LocalCluster, signum: signal.Signals) -> int:
+    """Send `signum` to the embedded redis-server; its pid."""
+    assert cluster.registry is not None
+    pid = redis_pid(cluster.registry.url)
+    assert pid is not None
+    os.kill(pid, signum)
+    return pid
 
 
 @pytest.mark.chaos
 def test_a_killed_embedded_redis_loses_no_admitted_request(
     cluster: LocalCluster, reference: Reference
 ) -> None:
-    assert cluster.registry is not None
-    url = cluster.registry.url
-
     def kill() -> None:
-        pid = redis_pid(url)
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        signal_redis(cluster, signal.SIGKILL)  # its supervisor starts it again, empty
 
-    under_load(cluster, reference, kill, allowed=REFUSED)
+    under_load(cluster, reference, kill, REFUSED)
 
 
 @pytest.mark.chaos
 def test_redis_paused_past_the_heartbeat_ttl(cluster: LocalCluster, reference: Reference) -> None:
-    assert cluster.registry is not None
-    url = cluster.registry.url
-
     def pause() -> None:
-        pid = redis_pid(url)
-        assert pid is not None
-        os.kill(pid, signal.SIGSTOP)
+        pid = signal_redis(cluster, signal.SIGSTOP)
         try:
             time.sleep(3 * TTL_S)
         finally:
             os.kill(pid, signal.SIGCONT)
 
-    under_load(cluster, reference, pause, allowed=REFUSED)
+    under_load(cluster, reference, pause, REFUSED)

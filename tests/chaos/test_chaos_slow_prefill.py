@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from chaos_load import Load, check_outcomes
-from cluster_helpers import scrape, wait_for, wait_router_idle, wait_workers_idle, workers
+from cluster_helpers import running, scrape, wait_for, wait_router_idle, wait_workers_idle, workers
 from conftest import WORKER_ARGS, Reference, reference_of
 
 from tandem.cluster.local_cluster import LocalCluster
@@ -42,11 +42,8 @@ def slowed_cluster(
     )
     with pytest.MonkeyPatch.context() as env:  # the worker processes inherit it
         env.setenv(FAULT_PREFILL_STEP_DELAY, str(step_delay_s))
-        try:
-            local.start(180.0)
+        with running(local):
             yield local
-        finally:
-            local.stop()
 
 
 @pytest.fixture(scope="module")

@@ -16,26 +16,16 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from cluster_helpers import running
 
 from tandem.cluster.local_cluster import LocalCluster, WorkerProcess
 from tandem.config import RouterConfig
 from tandem.engine import LLM
 
 SMOL = "smollm2-135m"
-
-
-@contextmanager
-def running(cluster: LocalCluster, timeout_s: float = 180.0) -> Iterator[LocalCluster]:
-    """Start the cluster; stop it (router, then every worker process) however the block ends."""
-    try:
-        cluster.start(timeout_s)
-        yield cluster
-    finally:
-        cluster.stop()  # SIGTERM; SIGKILL (which leaks a /dev/shm KV cache) only past 15 s
 
 
 class SpecPairCluster(LocalCluster):
