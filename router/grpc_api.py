@@ -117,7 +117,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListWorkersResponse:
         now = time.time()
+        pending, events = [], []
+        if self.controller is not None:
+            slots = await self.controller.status.remote()
+            pending = [
+                admin_pb2.PendingWorker(
+                    role=s["role"], state=s["state"], reason=s["reason"], age_s=s["age_s"]
+                )
+                for s in slots
+                if s["state"] in ("pending", "starting")
+            ]
+            events = [
+                admin_pb2.ControllerEvent(time_unix=e["time"], role=e["role"], error=e["error"])
+                for e in await self.controller.recent_events.remote()
+            ]
         return admin_pb2.ListWorkersResponse(
+            pending=pending,
+            events=events,
             workers=[
                 admin_pb2.WorkerInfo(
                     worker_id=w.worker_id,
@@ -134,7 +150,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     metrics_url=w.metrics_url,
                 )
                 for w in self.router.snapshot.workers()
-            ]
+            ],
         )
 
     async def Scale(
