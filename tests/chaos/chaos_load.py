@@ -1,4 +1,5 @@
-"""Concurrent streaming load for the chaos scenarios, and the checks every scenario ends with.
+"""Concurrent streaming load for the chaos scenarios, the reference outputs, and the checks every
+scenario ends with.
 
 `Load` runs client threads that send greedy streaming requests back to back, over gRPC and over
 HTTP (SSE), each with its own deadline (sent as the request's `timeout` too), optionally
@@ -19,10 +20,13 @@ from typing import Any
 
 import grpc
 import httpx2 as httpx
-from cluster_helpers import generate_request, sse_events
+from cluster_helpers import generate_request, grpc_stream, sse_events
 
+from tandem.cluster.local_cluster import LocalCluster
 from tandem.v1 import api_pb2_grpc
 
+WORKER_ARGS = ["--kv-memory-gib", "0.05", "--num-threads", "1"]
+TTL_S = 1.5  # a killed worker leaves the registry this long after its last heartbeat
 MAX_TOKENS = 12
 DEADLINE_S = 30.0  # each request's own, on the client and in the router
 DEADLINE_SLACK_S = 2.0  # a client may see the end this much after its deadline (a busy machine)
@@ -36,6 +40,8 @@ def prompt_ids(i: int) -> list[int]:
 
 
 PROMPTS = 4
+
+Reference = dict[int, tuple[list[int], str]]  # prompt: greedy tokens, the text the router makes
 
 
 @dataclass(frozen=True)
@@ -169,7 +175,7 @@ class Load:
 
 def check_outcomes(
     outcomes: list[Outcome],
-    reference: dict[int, tuple[list[int], str]],
+    reference: Reference,
     allowed_errors: frozenset[str] = frozenset(),
 ) -> Counter[str]:
     """Every request ended in time, as allowed, and each completed one as the offline engine's
@@ -189,3 +195,23 @@ def check_outcomes(
             assert list(o.token_ids) == tokens, f"prompt {o.prompt}: {o}"
         assert o.text == text, f"prompt {o.prompt} over {o.api}: {o.text!r} != {text!r}"
     return kinds
+
+
+def reference_of(cluster: LocalCluster, offline: dict[int, list[int]]) -> Reference:
+    """Each prompt's greedy tokens and the text the router makes of them, from one request on
+    the undisturbed cluster, whose tokens must equal the offline engine's."""
+    assert cluster.address is not None
+    reference: Reference = {}
+    for i, tokens in offline.items():
+        got: list[int] = []
+        text = ""
+        with grpc_stream(
+            cluster.address.grpc_target, ids=prompt_ids(i), max_tokens=MAX_TOKENS,
+            temperature=0.0, ignore_eos=True,
+        ) as call:  # fmt: skip
+            for msg in call:
+                got.extend(msg.token_ids)
+                text += msg.text
+        assert got == tokens, f"prompt {i}: the cluster's greedy output is not the offline one"
+        reference[i] = (tokens, text)
+    return reference

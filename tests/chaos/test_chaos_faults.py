@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from chaos_load import Load, check_outcomes
+from chaos_load import TTL_S, WORKER_ARGS, Load, Reference, check_outcomes, reference_of
 from cluster_helpers import (
     redis_pid,
     running,
@@ -31,7 +31,6 @@ from cluster_helpers import (
     wait_workers_idle,
     workers,
 )
-from conftest import TTL_S, WORKER_ARGS, Reference, reference_of
 
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig

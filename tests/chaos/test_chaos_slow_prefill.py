@@ -16,9 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chaos_load import Load, check_outcomes
+from chaos_load import WORKER_ARGS, Load, Reference, check_outcomes, reference_of
 from cluster_helpers import running, scrape, wait_for, wait_router_idle, wait_workers_idle, workers
-from conftest import WORKER_ARGS, Reference, reference_of
 
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import FAULT_PREFILL_STEP_DELAY
