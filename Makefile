@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TEST_WORKERS ?= 2
 TORCH  := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
 
-.PHONY: install serve test lint bench proto clean
+.PHONY: install serve test chaos lint bench proto clean
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ serve: install
 test: install lint
 	$(VENV)/bin/tandem models pull smollm2-135m
 	$(PY) -m pytest -q -rs --durations=10 -n $(TEST_WORKERS) --dist loadfile
+
+chaos: install  # the full chaos matrix; `make test` runs one scenario of each fault class
+	$(PY) -m pytest -q -rs --durations=0 -m "chaos or not chaos" tests/chaos
 
 lint: install
 	$(VENV)/bin/ruff check .

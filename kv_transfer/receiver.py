@@ -5,6 +5,7 @@ One reservation per request (states in `kv_transfer.state`):
 
     expect()             Bootstrapping -> WaitingForInput; the ticket goes to the router
     header, matches      -> Transferring; the receiver answers ACCEPTED
+    keep-alives          the prefill has not started: the deadline moves back by the timeout
     all layers, trailer  -> Success; the receiver answers DONE
     anything else        -> Failed(cause): timeout, lost peer, bad metadata, cancel()
 
@@ -314,6 +315,8 @@ class KVReceiver:
             try:
                 item = res.replies.get(timeout=max(res.status.remaining(), 0.0))
             except queue.Empty:
+                if not res.status.expired():
+                    continue  # a keep-alive renewed the deadline meanwhile
                 res.fail(FailureCause.TIMEOUT, "the transfer passed its deadline")
                 yield grpc.StatusCode.DEADLINE_EXCEEDED, "the transfer passed its deadline"
                 return
@@ -375,6 +378,9 @@ class KVReceiver:
             except ValueError as e:
                 raise TransferError(FailureCause.BAD_METADATA, str(e)) from e
             part = chunk.WhichOneof("part")
+            if part == "keepalive":  # the prefill worker still holds the request, unstarted
+                res.status.renew(res.ticket.timeout_s)
+                continue
             if part == "layer":
                 sink.add(chunk.layer, data, res.status.deadline)
                 res.arrival.nbytes = sink.layers_done * layout.layer_nbytes(header.num_tokens)

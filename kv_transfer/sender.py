@@ -52,8 +52,11 @@ log = logging.getLogger(__name__)
 
 CHANNELS = ("auto", "grpc", "pair", "shm")
 WRITE_MARGIN_S = 0.25  # stop writing into a receiver's memory this long before its deadline
+RECEIVER_LAG_S = 1.0  # a stalled transfer waits this long for its receiver to time out too
 
 _Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor]]
+_KEEPALIVE = "keepalive"  # queued by renew(): the next message is a KeepAlive
+_Item = int | _Trailer | str | None  # a layer, the trailer, _KEEPALIVE, or the end
 
 
 class OutboundTransfer:
@@ -64,6 +67,7 @@ class OutboundTransfer:
         sender: KVSender,
         ticket: KVTicket,
         kv_caches: list[torch.Tensor],
+        call_timeout_s: float | None = None,
     ) -> None:
         self.sender = sender
         self.ticket = ticket
@@ -71,6 +75,9 @@ class OutboundTransfer:
         self.layout = KVLayout.of(kv_caches)
         self.started = time.monotonic()
         self.status = TransferStatus(self.started + ticket.timeout_s)
+        # The stream's own deadline: the request's, when renewals may outlast the ticket's.
+        self.call_timeout_s = ticket.timeout_s if call_timeout_s is None else call_timeout_s
+        self._renewed = self.started
         self.slots: torch.Tensor | None = None  # [num_tokens] source cache slots
         self.plane_name = ""
         self.control = ""  # where the Push protocol ran: "local" (Unix socket) or "grpc"
@@ -78,8 +85,8 @@ class OutboundTransfer:
         self.first_token: int = -1
         self.first_token_unix = 0.0
         self.done_time = 0.0
-        self._items: queue.Queue[int | _Trailer | None] = queue.Queue()
-        self._held: list[int | _Trailer | None] = []  # taken from _items, not yet handled
+        self._items: queue.Queue[_Item] = queue.Queue()
+        self._held: list[_Item] = []  # taken from _items, not yet handled
         self._accepted = threading.Event()
         self._cancelled = threading.Event()
         self._blocks_lock = threading.Lock()  # held while reading the source blocks
@@ -122,6 +129,16 @@ class OutboundTransfer:
         self.first_token_unix = time.time()
         self._items.put((first_token, logprobs, extras or {}))
 
+    def renew(self) -> None:
+        """The request is still here and not started (queued, or its earlier chunks computing):
+        push the deadline back by the ticket's timeout on both sides, with a KeepAlive. Called
+        by the engine loop, so a stalled loop renews nothing; sent at most every timeout / 4."""
+        now = time.monotonic()
+        if now - self._renewed < self.ticket.timeout_s / 4:
+            return
+        self._renewed = now
+        self._items.put(_KEEPALIVE)
+
     def abort(self) -> None:
         """Stop: the request was aborted here. The receiver learns it from the broken stream."""
         self._cancelled.set()
@@ -152,7 +169,7 @@ class OutboundTransfer:
             self.plane_name = pb.DataPlane.Name(plane.kind).removeprefix("DATA_PLANE_").lower()
             self.status.advance(TransferState.WAITING_FOR_INPUT)
             self._call = self.sender.open_call(
-                self.ticket, plane, self._requests(plane), max(self.status.remaining(), 0)
+                self.ticket, plane, self._requests(plane), self.call_timeout_s
             )
             self.control = "local" if isinstance(self._call, LocalCall) else "grpc"
             if self._cancelled.is_set():
@@ -224,10 +241,20 @@ class OutboundTransfer:
         while not self._cancelled.is_set():
             try:
                 item = self._next_item()
-            except queue.Empty:
-                return  # the deadline passed; the call's own deadline fails both sides
+            except queue.Empty:  # the deadline passed: the receiver's, a moment later (it
+                # renews on receipt), ends the call, so that both sides see the timeout
+                self._local_error = TransferError(FailureCause.TIMEOUT, "no layer in time")
+                self._done.wait(RECEIVER_LAG_S)
+                return
             if item is None:
                 return
+            if isinstance(item, str):  # _KEEPALIVE
+                self.status.renew(self.ticket.timeout_s)
+                # The receiver renews on receipt, later than this: its deadline is no earlier.
+                margin = min(WRITE_MARGIN_S, self.ticket.timeout_s / 2)
+                self._write_deadline = time.monotonic() + self.ticket.timeout_s - margin
+                yield pb.KVChunk(keepalive=pb.KeepAlive()).SerializeToString()
+                continue
             if isinstance(item, int):
                 layers = self._ready_run(item)
                 self.status.advance(TransferState.TRANSFERRING)
@@ -250,7 +277,7 @@ class OutboundTransfer:
             yield pb.KVChunk(trailer=trailer).SerializeToString()
             return
 
-    def _next_item(self) -> int | _Trailer | None:
+    def _next_item(self) -> _Item:
         if self._held:
             return self._held.pop()
         return self._items.get(timeout=max(self.status.remaining(), 0))
@@ -339,10 +366,16 @@ class KVSender:
         self._transfers: dict[str, OutboundTransfer] = {}
         self._closing: list[grpc.Future] = []  # ClosePair calls not known to be done
 
-    def begin(self, ticket: KVTicket, kv_caches: list[torch.Tensor]) -> OutboundTransfer:
+    def begin(
+        self,
+        ticket: KVTicket,
+        kv_caches: list[torch.Tensor],
+        call_timeout_s: float | None = None,
+    ) -> OutboundTransfer:
         """Start a transfer from this worker's `kv_caches` as the ticket asks; the layers follow
-        (`set_source`, `layer_ready`, `finish`)."""
-        transfer = OutboundTransfer(self, ticket, kv_caches)
+        (`set_source`, `layer_ready`, `finish`), after `renew()`s while the request waits here.
+        `call_timeout_s` bounds the stream whatever the renewals (default: the ticket's timeout)."""
+        transfer = OutboundTransfer(self, ticket, kv_caches, call_timeout_s)
         with self._lock:
             self._transfers[ticket.request_key] = transfer
         return transfer

@@ -9,6 +9,10 @@ the trailer (first token) arrives with every layer. Sender (prefill side): Boots
 picks a data plane and connects; WaitingForInput until the receiver accepts the header and the
 prefill has computed the first layer; Transferring while it sends; Success when the receiver
 acknowledges. Any state may fail; Success and Failed are final.
+
+The deadline is the ticket's timeout from the reservation, renewed on both sides by each
+keep-alive the prefill worker's engine loop sends while the request waits there unstarted: a long
+prefill queue does not fail the transfer, a stalled or dead prefill worker still does.
 """
 
 from __future__ import annotations
@@ -128,6 +132,12 @@ class TransferStatus:
             self.state, self.error = TransferState.FAILED, error
             self._final.set()
             return True
+
+    def renew(self, seconds: float) -> None:
+        """Push the deadline back to `seconds` from now (never earlier); no-op once final."""
+        with self._lock:
+            if not self.state.final:
+                self.deadline = max(self.deadline, time.monotonic() + seconds)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -3,6 +3,8 @@
 A request's life here:
 
     submit(request, ticket)   queued; its transfer starts bootstrapping (plane, stream, header)
+    each loop iteration       until its first layer is computed, the transfer is renewed (a
+                              keep-alive): its deadline counts from the work, not the queue
     prefill, last chunk       layer l of the prompt goes out as soon as layer l is computed
                               (layer-wise streaming; off: all layers after the step)
     first token sampled       FINISHED_PREFILLED, blocks held; the trailer carries the token
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
 from kv_transfer.ticket import model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
-from tandem.config import EngineConfig, TransferConfig
+from tandem.config import EngineConfig, TransferConfig, fault_prefill_step_delay_s
 from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
@@ -76,14 +78,21 @@ class PrefillWorker(EngineLoop):
         self._prefill_done: dict[str, float] = {}
         self._submitted: dict[str, float] = {}
         self._sourced: set[str] = set()
+        self.step_delay_s = fault_prefill_step_delay_s()  # 0 unless a test injects the fault
 
     # -- any thread ---------------------------------------------------------------------------
 
     def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, ticket: KVTicket
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        ticket: KVTicket,
+        time_left_s: float | None = None,
     ) -> Future[PrefillResult]:
         """Prefill and push to the ticket's receiver; ValueError (bad request) or TransferError
-        surface through the future."""
+        surface through the future. `time_left_s`: the request's own deadline, which bounds the
+        transfer however long its renewals keep it waiting here (default: the ticket's)."""
         result: Future[PrefillResult] = Future()
         submitted = time.monotonic()
 
@@ -102,7 +111,7 @@ class PrefillWorker(EngineLoop):
             self._futures[request_id] = result
             self._submitted[request_id] = submitted
             caches = self.engine.runner.kv_caches
-            self._transfers[request_id] = self.sender.begin(ticket, caches)
+            self._transfers[request_id] = self.sender.begin(ticket, caches, time_left_s)
 
         self.call(add)
         return result
@@ -122,6 +131,8 @@ class PrefillWorker(EngineLoop):
         transfer.layer_ready(layer)
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)  # injected: the step took this much longer
         now = time.monotonic()
         for d in deltas:
             req = d.request
@@ -135,6 +146,9 @@ class PrefillWorker(EngineLoop):
             transfer.finish(d.new_token_ids[0], d.logprobs[0] if d.logprobs else None, d.handover)
 
     def before_step(self) -> None:
+        for key, transfer in self._transfers.items():
+            if key not in self._sourced and key not in self._prefill_done:
+                transfer.renew()  # still queued, or its earlier chunks computing
         for transfer in self.sender.poll():
             key = transfer.ticket.request_key
             self.engine.abort(key, RequestStatus.FINISHED_PREFILLED)  # frees the blocks

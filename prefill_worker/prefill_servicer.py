@@ -13,6 +13,8 @@ from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
 from tandem.worker_server import WorkerServer, start_worker_server, worker_stats
 
+RESULT_GRACE_S = 5.0  # past the request's deadline, for the transfer to report its own end
+
 
 class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
     def __init__(self, worker: PrefillWorker, model: str) -> None:
@@ -26,8 +28,12 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is draining")
         r = request.request
         ticket = KVTicket.from_proto(request.ticket)
+        # The router's deadline for the request (no deadline: the ticket's timeout) bounds the
+        # wait; the transfer's own, renewed while the request waits here unstarted, fails the
+        # future sooner when this worker stalls.
+        time_left = context.time_remaining() or ticket.timeout_s
         future = self.worker.submit(
-            r.request_id, list(r.prompt_token_ids), worker_sampling(r), ticket
+            r.request_id, list(r.prompt_token_ids), worker_sampling(r), ticket, time_left
         )
 
         def on_rpc_done() -> None:  # the router cancelled, or the deadline passed
@@ -36,7 +42,7 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
 
         context.add_callback(on_rpc_done)
         try:
-            result = future.result(timeout=ticket.timeout_s + 5.0)
+            result = future.result(timeout=time_left + RESULT_GRACE_S)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TransferError as e:

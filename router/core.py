@@ -3,20 +3,28 @@
 prepare      tokenize (chat template), validate -> Prepared      INVALID_ARGUMENT, NOT_FOUND
 admit        a dispatch slot from a bounded queue                  RESOURCE_EXHAUSTED
 pick         a decode worker D, and a prefill worker P unless the prompt is short
-             (conditional disaggregation: D prefills it)           UNAVAILABLE
+             (conditional disaggregation: D prefills it). With no D serving, wait for a
+             replacement up to `decode_wait_s`                     UNAVAILABLE
+             (at most `max_decode_waiters` wait)                   RESOURCE_EXHAUSTED
              Each pick is a lease (`inflight.py`): the request counts on the worker
              from the pick until the `Route` ends
 Decode(D)    D reserves blocks and answers with the KV ticket
 Prefill(P)   in the background: P computes the prompt and pushes its KV to D. A P that fails
-             is retried once on another P; then D prefills locally (`on_prefill_failure`)
+             is retried once on another P; then D prefills locally (`on_prefill_failure`),
+             unless D already streams (it computed the prompt itself when the transfer
+             failed on its side). A queue on P does not fail the transfer: P renews it
+             while the request waits there, up to the request's deadline
 relay        D's token chunks -> incremental detokenizer (stop strings) -> the client
 migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final chunk): D
              is marked down and the request resumes on another D with the tokens already
              sent appended to its prompt (`_resumed`), prefilled as any request; the relay
-             carries on, so the client sees one stream. At most MAX_MIGRATIONS times;
-             with no decode worker left                            UNAVAILABLE
+             carries on, so the client sees one stream (waiting, as a new request does,
+             for a replacement when no D is left). At most MAX_MIGRATIONS times, else
+                                                                   UNAVAILABLE
 end          usage and timings; a stop string, an Abort, a client that leaves, or the
-             deadline cancels both calls, and the workers free the request's blocks
+             deadline cancels both calls, and the workers free the request's blocks. An
+             Abort that reaches a router replica not holding the request is forwarded to
+             the others (`forward_abort`: the registry's pub/sub)
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,6 +63,7 @@ LOCAL_PREFILL_SUFFIX = "/local"  # the worker-side id of a request D prefills it
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this often
 MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
+DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
 
 
 class DecodeLost(Exception):
@@ -97,7 +106,9 @@ class Route:
     ticket: Any
     prefill: Lease | None
     go_local: asyncio.Event = field(default_factory=asyncio.Event)  # no P could push the KV
+    decoding: bool = False  # D has sent a token: it holds the prompt's KV, however it got there
     _prefill_task: asyncio.Task[None] | None = field(default=None, init=False)
+    _read: asyncio.Future[Any] | None = field(default=None, init=False)  # D's pending read
 
     def start_prefill(self, prefill: Coroutine[Any, Any, None]) -> None:
         """Run the prefill in the background; P's lease ends with the task (also with one
@@ -106,11 +117,39 @@ class Route:
         self._prefill_task = asyncio.create_task(prefill)
         self._prefill_task.add_done_callback(self.prefill.release)
 
+    async def next_message(self, abort: asyncio.Event) -> Any:
+        """D's next message, or "abort" / "local" if that event comes first. A read that loses
+        the race stays pending for the next call: a cancelled read breaks a grpc.aio stream."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(self.call.read())
+        waits = {
+            asyncio.ensure_future(abort.wait()): "abort",
+            asyncio.ensure_future(self.go_local.wait()): "local",
+        }
+        done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if self._read in done:
+            read, self._read = self._read, None
+            return read.result()
+        return next(name for w, name in waits.items() if w in done)
+
+    def reopen(self, call: Any) -> None:
+        """Replace D's call (cancelled, with its pending read) by `call`."""
+        self._end_call()
+        self.call = call
+
+    def _end_call(self) -> None:
+        self.call.cancel()
+        if self._read is not None:
+            self._read.cancel()
+            self._read = None
+
     def __enter__(self) -> Route:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.call.cancel()
+        self._end_call()
         if self._prefill_task is not None:
             self._prefill_task.cancel()  # a no-op when it has ended
         elif self.prefill is not None:
@@ -119,9 +158,17 @@ class Route:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, snapshot: RegistrySnapshot) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        snapshot: RegistrySnapshot,
+        forward_abort: Callable[[str], int] | None = None,
+    ) -> None:
         self.config = config
         self.snapshot = snapshot
+        # Asks the other router replicas to abort a request: how many replicas listen (this
+        # one included), 0 when that could not be sent.
+        self.forward_abort = forward_abort
         path = hub.resolve(config.model)
         self.tokenizer = load_tokenizer(path)
         cfg = load_config(path)
@@ -135,6 +182,7 @@ class Router:
         self.local_prefills = 0
         self.prefill_retries = 0
         self.migrations = 0
+        self.decode_waiters = 0  # requests waiting for a decode worker now
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: dict[str, asyncio.Event] = {}
         self._ids = itertools.count()
@@ -269,10 +317,20 @@ class Router:
     # -- generate -----------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
+        """Abort a request this replica holds; whether it holds it."""
         event = self._aborts.get(request_id)
         if event is not None:
             event.set()
         return event is not None
+
+    async def abort_anywhere(self, request_id: str) -> bool:
+        """Abort the request on whichever router replica holds it: True when this one does,
+        or when the abort went out to another replica (which aborts it if it holds it)."""
+        if self.abort(request_id):
+            return True
+        if self.forward_abort is None:
+            return False
+        return await asyncio.to_thread(self.forward_abort, request_id) > 1
 
     async def generate(self, prep: Prepared) -> AsyncIterator[Delta]:
         """Deltas until the request finishes; RouterError if it cannot be served."""
@@ -361,9 +419,7 @@ class Router:
         """Pick P unless D prefills the prompt itself (a short prompt, or no prefill worker),
         then open Decode on a picked D (not one in `lost`). P counts from its pick, before D
         is picked."""
-        decodes = [w for w in self._live("decode") if w.worker_id not in lost]
-        if not decodes:
-            raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
+        decodes = await self._decode_workers(lost)
         ctx = PickContext(prep.prompt_token_ids, self.inflight)
         prefills = self._live("prefill")
         local = len(prep.prompt_token_ids) <= self.config.local_prefill_tokens or not prefills
@@ -375,6 +431,32 @@ class Router:
                 prefill.release()
             raise
         return Route(decode, call, ticket, prefill)
+
+    async def _decode_workers(self, lost: set[str]) -> list[WorkerRecord]:
+        """The decode workers the request may use (none in `lost`). With none, wait for one
+        (a replacement starting) up to `decode_wait_s`; the request's deadline cuts the wait
+        short. UNAVAILABLE when none came, RESOURCE_EXHAUSTED when too many wait already."""
+        decodes = [w for w in self._live("decode") if w.worker_id not in lost]
+        if decodes:
+            return decodes
+        wait_s = self.config.decode_wait_s
+        if wait_s > 0 and self.decode_waiters >= self.config.max_decode_waiters:
+            raise RouterError(
+                ErrorKind.OVERLOADED,
+                f"{self.decode_waiters} requests already wait for a decode worker",
+                retry_after_s=1.0,
+            )
+        self.decode_waiters += 1
+        try:
+            end = time.monotonic() + wait_s
+            while not decodes and time.monotonic() < end:
+                await asyncio.sleep(DECODE_POLL_S)
+                decodes = [w for w in self._live("decode") if w.worker_id not in lost]
+        finally:
+            self.decode_waiters -= 1
+        if not decodes:
+            raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
+        return decodes
 
     async def _open_decode(
         self,
@@ -485,15 +567,19 @@ class Router:
     ) -> Delta:
         """The client's next message, from D's next chunk; the final one on an abort."""
         while True:
-            msg = await _read_or(route.call, abort, route.go_local)
+            msg = await route.next_message(abort)
             if msg == "abort":
                 return relay.final([], "abort")
             if msg != "local":
                 break
+            if route.decoding:  # D fell back to its own prefill first (`on_transfer_failure`)
+                route.go_local = asyncio.Event()
+                continue
             await self._prefill_on_decode(route, wreq, prep, relay.timings)
         if msg is grpc.aio.EOF:
             raise DecodeLost(route.decode.worker, "the stream ended without a final chunk")
         assert isinstance(msg, wpb.DecodeResponse)
+        route.decoding = True
         return relay.delta(msg.tokens)
 
     async def _prefill_on_decode(
@@ -502,7 +588,6 @@ class Router:
         """No prefill worker could push the KV: reopen Decode on D to compute it there."""
         if self.config.on_prefill_failure == "fail":
             raise RouterError(ErrorKind.UNAVAILABLE, "no prefill worker could serve")
-        route.call.cancel()
         self.local_prefills += 1
         timings["prefill_worker"] = ""
         # A request id of its own: D learns of the first call's cancel on another thread, and
@@ -511,7 +596,7 @@ class Router:
         local = wpb.WorkerRequest()
         local.CopyFrom(wreq)
         local.request_id = f"{wreq.request_id}{LOCAL_PREFILL_SUFFIX}"
-        route.call = self._decode_call(route.decode.worker, local, True, prep)
+        route.reopen(self._decode_call(route.decode.worker, local, True, prep))
         await self._read_ticket(route.call, route.decode.worker)
         route.go_local = asyncio.Event()
 
@@ -575,19 +660,3 @@ def _resumed(prep: Prepared, sent: list[int], migration: int) -> Prepared:
 def _time_left(prep: Prepared) -> float:
     """The gRPC timeout of a worker call: what is left to the deadline (never zero)."""
     return max(prep.deadline - time.monotonic(), 0.001)
-
-
-async def _read_or(call: Any, abort: asyncio.Event, go_local: asyncio.Event) -> Any:
-    """The call's next message, or "abort" / "local" if that event comes first."""
-    read = asyncio.ensure_future(call.read())
-    waits = {
-        asyncio.ensure_future(abort.wait()): "abort",
-        asyncio.ensure_future(go_local.wait()): "local",
-    }
-    done, _ = await asyncio.wait([read, *waits], return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
-    if read in done:
-        return read.result()
-    read.cancel()
-    return next(name for w, name in waits.items() if w in done)

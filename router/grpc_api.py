@@ -94,7 +94,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
     async def Abort(
         self, request: api_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> api_pb2.AbortResponse:
-        return api_pb2.AbortResponse(found=self.router.abort(request.request_id))
+        return api_pb2.AbortResponse(found=await self.router.abort_anywhere(request.request_id))
 
     async def ListModels(
         self, request: api_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -118,7 +118,23 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ListWorkersResponse:
         now = time.time()
+        pending, events = [], []
+        if self.controller is not None:
+            slots = await self.controller.status.remote()
+            pending = [
+                admin_pb2.PendingWorker(
+                    role=s["role"], state=s["state"], reason=s["reason"], age_s=s["age_s"]
+                )
+                for s in slots
+                if s["state"] in ("pending", "starting")
+            ]
+            events = [
+                admin_pb2.ControllerEvent(time_unix=e["time"], role=e["role"], error=e["error"])
+                for e in await self.controller.recent_events.remote()
+            ]
         return admin_pb2.ListWorkersResponse(
+            pending=pending,
+            events=events,
             workers=[
                 admin_pb2.WorkerInfo(
                     worker_id=w.worker_id,
@@ -135,7 +151,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                     metrics_url=w.metrics_url,
                 )
                 for w in self.router.snapshot.workers()
-            ]
+            ],
         )
 
     async def Scale(

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 import uvicorn
 
 from router.core import Router
@@ -21,7 +22,7 @@ from router.grpc_api import build_grpc_server
 from router.http_api import build_app
 from router.router_metrics import RouterMetrics
 from tandem.config import RouterConfig
-from tandem.registry import Registry, RegistrySnapshot
+from tandem.registry import AbortListener, Registry, RegistrySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class RouterServer:
         self.router: Router | None = None
         self.address: RouterAddress | None = None
         self._uvicorn: uvicorn.Server | None = None
+        self._abort_listener: AbortListener | None = None
 
     def start(self, timeout_s: float = 60.0) -> RouterAddress:
         self.snapshot.refresh()
@@ -77,7 +79,10 @@ class RouterServer:
             self._ready.set()
 
     async def _serve(self) -> None:
-        self.router = Router(self.config, self.snapshot)
+        router = self.router = Router(self.config, self.snapshot, self._forward_abort)
+        self._abort_listener = self.registry.listen_for_aborts(
+            self.config.model, lambda rid: self._loop.call_soon_threadsafe(router.abort, rid)
+        )
         metrics = RouterMetrics(self.router)  # one set for both APIs
         grpc_server, grpc_port, readiness = await build_grpc_server(
             self.router,
@@ -103,10 +108,20 @@ class RouterServer:
         await grpc_server.stop(1.0)
         await self.router.close()
 
+    def _forward_abort(self, request_id: str) -> int:
+        """Publish an abort to the other router replicas: how many listen (0: Redis is down)."""
+        try:
+            return self.registry.publish_abort(self.config.model, request_id)
+        except redis.RedisError as e:
+            log.warning("could not forward the abort of %s: %s", request_id, e)
+            return 0
+
     def stop(self) -> None:
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
         self._thread.join(10.0)
+        if self._abort_listener is not None:
+            self._abort_listener.close()
         self.snapshot.close()
         self.registry.close()
 

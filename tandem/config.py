@@ -88,6 +88,23 @@ def api_key_from_environment() -> str | None:
     return os.environ.get("TANDEM_API_KEY") or None
 
 
+FAULT_PREFILL_STEP_DELAY = "TANDEM_FAULT_PREFILL_STEP_DELAY_S"
+
+
+def fault_prefill_step_delay_s() -> float:
+    """Fault injection, for tests only: seconds each prefill worker's engine step is held up
+    (`$TANDEM_FAULT_PREFILL_STEP_DELAY_S`; unset or 0: none), so that a prefill slowed past its
+    transfer's deadline stays covered on a machine fast enough never to miss one."""
+    value = os.environ.get(FAULT_PREFILL_STEP_DELAY) or "0"
+    try:
+        delay = float(value)
+    except ValueError:
+        raise ValueError(f"{FAULT_PREFILL_STEP_DELAY} must be seconds, got {value!r}") from None
+    if delay < 0:
+        raise ValueError(f"{FAULT_PREFILL_STEP_DELAY} must be >= 0, got {delay}")
+    return delay
+
+
 def put_python_bin_on_path() -> None:
     """Let this process's children find the tools installed beside its Python (ninja)."""
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
@@ -408,6 +425,11 @@ class RouterConfig:
     max_inflight: int = 256
     max_queue: int = 1024
     timeout_s: float = 600.0  # a request's deadline unless it asks for a shorter one
+    # With no decode worker serving, a request (new, or migrating off a dead one) waits this
+    # long in the router for a replacement (its deadline bounds the wait too), then UNAVAILABLE;
+    # 0: at once. At most `max_decode_waiters` wait; more: RESOURCE_EXHAUSTED.
+    decode_wait_s: float = 30.0
+    max_decode_waiters: int = 256
     max_model_len: int | None = None
     # `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and tandem.v1.Tandem (auth.py);
     # None: open. Kept out of repr, so a logged config does not leak it.
@@ -418,3 +440,7 @@ class RouterConfig:
             raise ValueError("api_key must not be empty (None leaves the APIs open)")
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
             raise ValueError(f"on_prefill_failure must be one of {ON_PREFILL_FAILURE}")
+        if self.decode_wait_s < 0:
+            raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s}")
+        if self.max_decode_waiters < 0:
+            raise ValueError(f"max_decode_waiters must be >= 0, got {self.max_decode_waiters}")

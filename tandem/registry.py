@@ -17,6 +17,9 @@ Key layout (every key starts with the namespace, `tandem` unless `Registry(names
     tandem:index                     SET     the names of the tandem:index:<role>:<model> sets,
                                              so listing every worker needs no SCAN. A name is
                                              dropped once its set is empty.
+    tandem:aborts:<model>            CHANNEL pub/sub: request ids to abort, published by a router
+                                             replica that does not hold the request; the one that
+                                             does aborts it (`AbortListener`).
 
 `register`/`heartbeat` write all three in one MULTI/EXEC. A worker id keeps one role and model for
 its life (give a worker that changes either a new id); readers check the record's own role and
@@ -443,6 +446,19 @@ class Registry:
         if self._stop_server is not None:
             self._stop_server()  # runs server.stop() once, however often it is called
 
+    def _abort_channel(self, model: str) -> str:
+        return f"{self._ns}:aborts:{model}"
+
+    def publish_abort(self, model: str, request_id: str) -> int:
+        """Ask every router replica of `model` to abort `request_id` (the one holding it does);
+        the number of replicas listening, this one included if it listens."""
+        return int(cast(Any, self._client.publish(self._abort_channel(model), request_id)))
+
+    def listen_for_aborts(self, model: str, on_abort: Callable[[str], object]) -> AbortListener:
+        """Call `on_abort(request_id)` (on a thread of its own) for each abort published for
+        `model`, until the listener is closed; it subscribes again after a Redis restart."""
+        return AbortListener(self._client, self._abort_channel(model), on_abort)
+
     def close(self) -> None:
         """Close the connections; stop the embedded Redis if this Registry started it."""
         if self._closed:
@@ -461,6 +477,45 @@ class Registry:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+ABORT_RESUBSCRIBE_S = 0.5  # an abort listener that lost Redis subscribes again after this
+
+
+class AbortListener:
+    """A thread subscribed to one abort channel. Pub/sub keeps nothing: an abort published
+    while the listener is not subscribed (Redis restarting) is lost, and the request ends at its
+    deadline or when its client leaves."""
+
+    def __init__(
+        self, client: redis.Redis, channel: str, on_abort: Callable[[str], object]
+    ) -> None:
+        self._client = client
+        self._channel = channel
+        self._on_abort = on_abort
+        self._stop = threading.Event()
+        self.subscribed = threading.Event()  # set while subscribed (tests wait on it)
+        self._thread = threading.Thread(target=self._run, name="abort-listener", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                with self._client.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    pubsub.subscribe(self._channel)
+                    self.subscribed.set()
+                    while not self._stop.is_set():
+                        message = pubsub.get_message(timeout=0.25)
+                        if message is not None and message["type"] == "message":
+                            self._on_abort(message["data"].decode())
+            except redis.RedisError as e:
+                self.subscribed.clear()
+                log.info("abort listener lost Redis (%s); subscribing again", e)
+                self._stop.wait(ABORT_RESUBSCRIBE_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
 
 
 class RegistrySnapshot:

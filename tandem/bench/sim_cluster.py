@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from tandem.cluster.lifetime import die_with_parent
+from tandem.cluster.lifetime import arm_parent_death_signal, die_with_parent
 from tandem.cluster.local_cluster import stop_processes
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, WorkerConfig, child_environment
@@ -100,8 +100,8 @@ class SimCluster:
             ]  # fmt: skip
             if self.profile:
                 cmd += ["--profile", self.profile]
-            env = child_environment(OMP_NUM_THREADS="1")
-            self.hosts.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent()))
+            env = die_with_parent(child_environment(OMP_NUM_THREADS="1"))
+            self.hosts.append(subprocess.Popen(cmd, env=env))
         self.wait_for_workers(timeout_s)
         http_port = self.http_port or free_port(self.host)
         grpc_port = self.grpc_port or free_port(self.host)
@@ -125,8 +125,7 @@ class SimCluster:
                 str(self.local_prefill_tokens),
                 *self.router_args,
             ],
-            env=child_environment(OMP_NUM_THREADS="1"),
-            preexec_fn=die_with_parent(),
+            env=die_with_parent(child_environment(OMP_NUM_THREADS="1")),
         )
         self.http_url = f"http://{self.host}:{http_port}"
         self.grpc_target = f"{self.host}:{grpc_port}"
@@ -172,6 +171,7 @@ class SimCluster:
 
 
 def _host_main(argv: list[str]) -> None:
+    arm_parent_death_signal()  # the host ends with the benchmark that started it
     ap = argparse.ArgumentParser(prog="tandem.bench.sim_cluster host")
     ap.add_argument("--model", required=True)
     ap.add_argument("--profile", default=None)

@@ -52,18 +52,27 @@ def status(
     token: TokenOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="The rows as JSON on stdout.")] = False,
 ) -> None:
-    """The workers of the cluster: role, endpoint, load, KV usage. A table on a terminal, plain
+    """The workers of the cluster: role, endpoint, load, KV usage; then the workers not started
+    yet (pending, with the reason) and the controller's errors. A table on a terminal, plain
     columns in a pipe, JSON with --json."""
-    from tandem.cli.status_view import print_rows, rows_json, worker_rows
+    from tandem.cli.status_view import (
+        controller_lines,
+        controller_rows,
+        print_rows,
+        rows_json,
+        worker_rows,
+    )
     from tandem.v1 import admin_pb2
 
     stub, metadata = _admin(router, token)
     reply = _admin_call(stub.ListWorkers, admin_pb2.ListWorkersRequest(), metadata)
-    rows = worker_rows(reply.workers)
+    rows, controller = worker_rows(reply.workers), controller_rows(reply)
     if as_json:
-        typer.echo(rows_json(rows))
-    else:
-        print_rows(rows, console)
+        typer.echo(rows_json(rows, controller))
+        return
+    print_rows(rows, console)
+    for line in controller_lines(controller):
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
 
 
 def drain(

@@ -23,7 +23,7 @@ from tandem.cli.options import (
     console,
     speculative_option,
 )
-from tandem.config import DEFAULT_MODEL, RouterConfig, api_key_from_environment
+from tandem.config import DEFAULT_MODEL, RouterConfig, TransferConfig, api_key_from_environment
 
 
 def serve(
@@ -290,6 +290,13 @@ def worker(
     attention_backend: AttentionBackendOpt = "auto",
     cuda_graphs: CudaGraphsOpt = True,
     on_transfer_failure: Annotated[str, typer.Option(help="decode: local | fail")] = "local",
+    transfer_timeout: Annotated[
+        float,
+        typer.Option(
+            help="decode: seconds a KV transfer may take; renewed while the prefill worker "
+            "still holds the request unstarted."
+        ),
+    ] = TransferConfig.timeout_s,
     channel: Annotated[str, typer.Option(help="prefill: KV channel auto|grpc|pair|shm")] = "auto",
     stream_layers: Annotated[bool, typer.Option(help="prefill: layer-wise streaming.")] = True,
     engine: Annotated[str, typer.Option(help="real | sim (modelled step times).")] = "real",
@@ -300,7 +307,7 @@ def worker(
     """One worker: `prefill` computes prompts and pushes their KV to decode workers; `decode`
     receives it and generates, with speculative decoding. SIGTERM drains it."""
     from tandem.cluster.workers import build_worker
-    from tandem.config import TransferConfig, WorkerConfig
+    from tandem.config import WorkerConfig
     from tandem.worker_server import drain_signal
 
     if role not in ("prefill", "decode"):
@@ -317,7 +324,10 @@ def worker(
         cuda_graphs=cuda_graphs,
     )  # fmt: skip
     transfer = TransferConfig(
-        channel=channel, stream_layers=stream_layers, on_failure=on_transfer_failure
+        channel=channel,
+        stream_layers=stream_layers,
+        on_failure=on_transfer_failure,
+        timeout_s=transfer_timeout,
     )
     server = build_worker(
         role,

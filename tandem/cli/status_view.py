@@ -1,10 +1,13 @@
 """The rows of `tandem status`, from the admin ListWorkers reply and each worker's /metrics, and
 their three renderings: JSON (`--json`), a table on a terminal wide enough for it, and plain
-aligned columns otherwise (a pipe, a file, a narrow terminal): one line per worker, whole names."""
+aligned columns otherwise (a pipe, a file, a narrow terminal): one line per worker, whole names.
+Below them, one line per worker the cluster controller has not started yet (pending, with its
+reason, or starting) and per error event it recorded."""
 
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from rich.console import Console
@@ -46,8 +49,32 @@ def worker_rows(workers: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def rows_json(rows: list[dict[str, Any]]) -> str:
-    return json.dumps({"workers": rows}, indent=2)
+def controller_rows(reply: Any) -> dict[str, list[dict[str, Any]]]:
+    """The controller's part of a ListWorkers reply: workers not started yet, error events."""
+    return {
+        "pending": [
+            {"role": p.role, "state": p.state, "reason": p.reason, "age_s": p.age_s}
+            for p in reply.pending
+        ],
+        "events": [
+            {"time_unix": e.time_unix, "role": e.role, "error": e.error} for e in reply.events
+        ],
+    }
+
+
+def controller_lines(controller: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = [
+        f"{p['role']} worker {p['state']} for {p['age_s']:.0f} s: {p['reason']}"
+        for p in controller["pending"]
+    ]
+    for e in controller["events"]:
+        at = time.strftime("%H:%M:%S", time.localtime(e["time_unix"]))
+        lines.append(f"error at {at}: {e['error']}")
+    return lines
+
+
+def rows_json(rows: list[dict[str, Any]], controller: dict[str, list[dict[str, Any]]]) -> str:
+    return json.dumps({"workers": rows, **controller}, indent=2)
 
 
 def print_rows(rows: list[dict[str, Any]], out: Console) -> None:

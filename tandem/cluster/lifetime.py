@@ -1,8 +1,12 @@
 """How a launcher and the processes it starts end together.
 
-- `die_with_parent()`: a `preexec_fn` that sets `PR_SET_PDEATHSIG` (SIGTERM) in the child between
-  fork and exec (Linux), so a launcher killed by SIGKILL takes its worker processes with it. A
-  process group alone does not: its members live on when the leader dies.
+- `die_with_parent()`: the environment of a child that must end with this process; the child
+  calls `arm_parent_death_signal()` first thing, which sets `PR_SET_PDEATHSIG` (SIGTERM, Linux),
+  so a launcher killed by SIGKILL takes its worker processes with it. A process group alone does
+  not: its members live on when the leader dies. The child arms it itself rather than in a
+  `preexec_fn`: Python code between fork and exec ran gRPC's fork handlers in the child, which
+  abort it (SIGABRT) while other threads of the launcher use gRPC (its router; seen starting a
+  cluster after a test's gRPC clients); without one, `subprocess` can vfork and exec at once.
 - `interrupt_on_sigterm()`: SIGTERM (how Kubernetes and systemd stop a process) raises
   KeyboardInterrupt in the main thread, so the launcher stops its cluster as it does on Ctrl-C.
 """
@@ -14,30 +18,33 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Mapping
 from types import FrameType
 
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_PID_ENV = "TANDEM_DIE_WITH_PARENT"  # the launcher's pid, for its child to arm the signal
 
 
-def die_with_parent() -> Callable[[], None] | None:
-    """A `subprocess.Popen(preexec_fn=...)` that makes the child receive SIGTERM when this
-    process dies (None off Linux). Call it in the thread that starts the child: the kernel sends
-    the signal when that *thread* ends, so a child started from a short-lived thread would be
-    stopped with it."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
-    parent = os.getpid()
+def die_with_parent(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's environment) for a child that must receive SIGTERM when
+    this process dies, once it has called `arm_parent_death_signal()`. Start the child in the
+    thread that outlives it: the kernel sends the signal when that *thread* ends."""
+    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
 
-    def set_parent_death_signal() -> None:
-        prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os.kill(os.getpid(), signal.SIGTERM)
 
-    return set_parent_death_signal
+def arm_parent_death_signal() -> None:
+    """In a child started with `die_with_parent()`'s environment: SIGTERM when its launcher dies,
+    at once if it has died already. The variable goes, so this process's own children do not
+    take it for theirs. A no-op anywhere else, and off Linux."""
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
+    if os.getppid() != int(parent):  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def interrupt_on_sigterm() -> None:

@@ -104,7 +104,7 @@ class LocalCluster:
             *self.worker_args,
             *extra,
         ]
-        return subprocess.Popen(cmd, preexec_fn=die_with_parent())
+        return subprocess.Popen(cmd, env=die_with_parent())
 
     def _supervise(self, worker: WorkerProcess) -> None:
         def restart() -> None:

@@ -7,7 +7,10 @@ workers through the registry, not through Ray.
 
 The controller keeps each pool at its desired size. A worker slot's life:
 
-    starting (placement group reserved, actor loading the model) -> serving (answers pings)
+    pending (its placement group waits for resources, or cannot fit this cluster: `reason`
+      says which and how much; past `placement_timeout_s` the slot is dropped, the pool's
+      desired size lowered by one and an error event recorded)
+    -> starting (placement group reserved, actor loading the model) -> serving (answers pings)
       -> dead (actor gone or 3 missed pings): killed, placement group freed, replaced
       -> draining (scale-down): the worker stops taking work, finishes what it has, deregisters;
          then its actor and placement group go
@@ -26,7 +29,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision
@@ -40,6 +48,7 @@ log = logging.getLogger(__name__)
 CONTROLLER_NAME = "tandem-controller"
 NAMESPACE = "tandem"
 MISSED_PINGS = 3
+MAX_EVENTS = 100  # error events a controller keeps
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     heartbeat_ttl_s: float = 3.0
     drain_timeout_s: float = 60.0
+    placement_timeout_s: float = 300.0  # a worker that cannot be placed this long is dropped
     prefill: PoolSpec = field(default_factory=PoolSpec)
     decode: PoolSpec = field(default_factory=PoolSpec)
 
@@ -114,7 +124,8 @@ class _Slot:
     pg: PlacementGroup
     ready: Any  # ObjectRef of info()
     worker_id: str = ""
-    state: str = "starting"  # starting | serving | draining
+    state: str = "pending"  # pending | starting | serving | draining
+    reason: str = "placing"  # why it is pending (or starting)
     missed: int = 0
     drained: Any = None  # ObjectRef of drain()
     created: float = field(default_factory=time.monotonic)
@@ -126,6 +137,7 @@ class PoolController:
         self.desired = {"prefill": prefill, "decode": decode}
         self.slots: list[_Slot] = []
         self.replaced = 0
+        self.events: list[dict[str, Any]] = []  # the last MAX_EVENTS errors, oldest first
         self._lock = threading.RLock()
         self._actor_class = ray.remote(max_concurrency=4)(WorkerActor)  # type: ignore[call-overload]
 
@@ -156,10 +168,16 @@ class PoolController:
                     "role": s.role,
                     "worker_id": s.worker_id,
                     "state": s.state,
+                    "reason": s.reason if s.state in ("pending", "starting") else "",
                     "age_s": time.monotonic() - s.created,
                 }
                 for s in self.slots
             ]
+
+    def recent_events(self) -> list[dict[str, Any]]:
+        """The last error events (time, role, error), oldest first."""
+        with self._lock:
+            return list(self.events)
 
     def worker_actor(self, worker_id: str) -> Any:
         """The actor handle of a worker (for operators' tooling and fault-injection tests)."""
@@ -200,6 +218,8 @@ class PoolController:
         return _Slot(role, actor, pg, actor.info.remote())
 
     def _check(self, slot: _Slot) -> None:
+        if slot.state == "pending" and not self._placed(slot):
+            return
         if slot.state == "starting":
             done, _ = ray.wait([slot.ready], timeout=0)
             if done:
@@ -229,8 +249,28 @@ class PoolController:
         if slot.missed >= MISSED_PINGS:
             self._remove(slot, replaced=True)
 
+    def _placed(self, slot: _Slot) -> bool:
+        """Starting once its placement group is reserved; else why not, and dropped (an error
+        event, the pool's desired size one lower) past the placement timeout."""
+        if placement_group_table(slot.pg).get("state") == "CREATED":
+            slot.state, slot.reason = "starting", "loading the model"
+            return True
+        slot.reason = placement_reason(
+            self.spec.pool(slot.role).bundles(), ray.cluster_resources(), ray.available_resources()
+        )
+        waited = time.monotonic() - slot.created
+        if waited < self.spec.placement_timeout_s:
+            return False
+        message = f"dropped a {slot.role} worker not placed in {waited:.0f} s: {slot.reason}"
+        log.error("%s", message)
+        self.events = [*self.events, {"time": time.time(), "role": slot.role, "error": message}]
+        self.events = self.events[-MAX_EVENTS:]
+        self.desired[slot.role] = max(self.desired[slot.role] - 1, 0)
+        self._remove(slot)
+        return False
+
     def _start_drain(self, slot: _Slot) -> None:
-        if slot.state == "starting":
+        if slot.state in ("pending", "starting"):
             self._remove(slot)
             return
         log.info("draining %s", slot.worker_id)
@@ -243,6 +283,30 @@ class PoolController:
         self.slots.remove(slot)
         if replaced:
             self.replaced += 1
+
+
+def placement_reason(
+    bundles: list[dict[str, float]], total: dict[str, float], free: dict[str, float]
+) -> str:
+    """Why a worker's bundles are not placed: a resource the whole cluster has too little of
+    (infeasible: it waits for the cluster to grow), or one that is taken now."""
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            need[name] = need.get(name, 0.0) + amount
+    short = {k: v for k, v in need.items() if v > total.get(k, 0.0)}
+    if short:
+        has = ", ".join(f"{k} {total.get(k, 0.0):g}" for k in short)
+        return f"infeasible on this cluster: needs {_amounts(short)}, the cluster has {has}"
+    taken = {k: v for k, v in need.items() if v > free.get(k, 0.0)}
+    if taken:
+        left = ", ".join(f"{k} {free.get(k, 0.0):g}" for k in taken)
+        return f"waiting for resources: needs {_amounts(taken)}, free {left}"
+    return "placing"
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in resources.items())
 
 
 class ControllerLoop(PoolController):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\"\xf6\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x17\n\x0fheartbeat_age_s\x18\x0b \x01(\x01\x12\x13\n\x0bmetrics_url\x18\x0c \x01(\t\"\x14\n\x12ListWorkersRequest\"=\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\"P\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"0\n\rScaleResponse\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rDrainResponse2\xcd\x01\n\x05\x41\x64min\x12L\n\x0bListWorkers\x12\x1d.tandem.v1.ListWorkersRequest\x1a\x1e.tandem.v1.ListWorkersResponse\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\"\xf6\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x0f\n\x07running\x18\x06 \x01(\r\x12\x0f\n\x07waiting\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\t \x01(\r\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x17\n\x0fheartbeat_age_s\x18\x0b \x01(\x01\x12\x13\n\x0bmetrics_url\x18\x0c \x01(\t\"\x14\n\x12ListWorkersRequest\"K\n\rPendingWorker\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\"A\n\x0f\x43ontrollerEvent\x12\x11\n\ttime_unix\x18\x01 \x01(\x01\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x94\x01\n\x13ListWorkersResponse\x12&\n\x07workers\x18\x01 \x03(\x0b\x32\x15.tandem.v1.WorkerInfo\x12)\n\x07pending\x18\x02 \x03(\x0b\x32\x18.tandem.v1.PendingWorker\x12*\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1a.tandem.v1.ControllerEvent\"P\n\x0cScaleRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"0\n\rScaleResponse\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x0f\n\rDrainResponse2\xcd\x01\n\x05\x41\x64min\x12L\n\x0bListWorkers\x12\x1d.tandem.v1.ListWorkersRequest\x1a\x1e.tandem.v1.ListWorkersResponse\x12:\n\x05Scale\x12\x17.tandem.v1.ScaleRequest\x1a\x18.tandem.v1.ScaleResponse\x12:\n\x05\x44rain\x12\x17.tandem.v1.DrainRequest\x1a\x18.tandem.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,16 +35,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERINFO']._serialized_end=283
   _globals['_LISTWORKERSREQUEST']._serialized_start=285
   _globals['_LISTWORKERSREQUEST']._serialized_end=305
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=307
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=368
-  _globals['_SCALEREQUEST']._serialized_start=370
-  _globals['_SCALEREQUEST']._serialized_end=450
-  _globals['_SCALERESPONSE']._serialized_start=452
-  _globals['_SCALERESPONSE']._serialized_end=500
-  _globals['_DRAINREQUEST']._serialized_start=502
-  _globals['_DRAINREQUEST']._serialized_end=535
-  _globals['_DRAINRESPONSE']._serialized_start=537
-  _globals['_DRAINRESPONSE']._serialized_end=552
-  _globals['_ADMIN']._serialized_start=555
-  _globals['_ADMIN']._serialized_end=760
+  _globals['_PENDINGWORKER']._serialized_start=307
+  _globals['_PENDINGWORKER']._serialized_end=382
+  _globals['_CONTROLLEREVENT']._serialized_start=384
+  _globals['_CONTROLLEREVENT']._serialized_end=449
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=452
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=600
+  _globals['_SCALEREQUEST']._serialized_start=602
+  _globals['_SCALEREQUEST']._serialized_end=682
+  _globals['_SCALERESPONSE']._serialized_start=684
+  _globals['_SCALERESPONSE']._serialized_end=732
+  _globals['_DRAINREQUEST']._serialized_start=734
+  _globals['_DRAINREQUEST']._serialized_end=767
+  _globals['_DRAINRESPONSE']._serialized_start=769
+  _globals['_DRAINRESPONSE']._serialized_end=784
+  _globals['_ADMIN']._serialized_start=787
+  _globals['_ADMIN']._serialized_end=992
 # @@protoc_insertion_point(module_scope)

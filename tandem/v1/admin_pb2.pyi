@@ -38,11 +38,37 @@ class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PendingWorker(_message.Message):
+    __slots__ = ("role", "state", "reason", "age_s")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    state: str
+    reason: str
+    age_s: float
+    def __init__(self, role: _Optional[str] = ..., state: _Optional[str] = ..., reason: _Optional[str] = ..., age_s: _Optional[float] = ...) -> None: ...
+
+class ControllerEvent(_message.Message):
+    __slots__ = ("time_unix", "role", "error")
+    TIME_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    time_unix: float
+    role: str
+    error: str
+    def __init__(self, time_unix: _Optional[float] = ..., role: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
 class ListWorkersResponse(_message.Message):
-    __slots__ = ("workers",)
+    __slots__ = ("workers", "pending", "events")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+    pending: _containers.RepeatedCompositeFieldContainer[PendingWorker]
+    events: _containers.RepeatedCompositeFieldContainer[ControllerEvent]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., pending: _Optional[_Iterable[_Union[PendingWorker, _Mapping]]] = ..., events: _Optional[_Iterable[_Union[ControllerEvent, _Mapping]]] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("prefill", "decode")

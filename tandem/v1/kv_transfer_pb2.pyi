@@ -139,15 +139,21 @@ class Trailer(_message.Message):
     first_token_unix: float
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., extras: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., first_token_unix: _Optional[float] = ...) -> None: ...
 
+class KeepAlive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class KVChunk(_message.Message):
-    __slots__ = ("header", "layer", "trailer")
+    __slots__ = ("header", "layer", "trailer", "keepalive")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
     TRAILER_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     header: TransferHeader
     layer: LayerChunk
     trailer: Trailer
-    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., layer: _Optional[_Union[LayerChunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ...) -> None: ...
+    keepalive: KeepAlive
+    def __init__(self, header: _Optional[_Union[TransferHeader, _Mapping]] = ..., layer: _Optional[_Union[LayerChunk, _Mapping]] = ..., trailer: _Optional[_Union[Trailer, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
     __slots__ = ("kind", "bytes_received", "remaining_s")

@@ -181,6 +181,27 @@ def scrape(metrics_url: str) -> dict[str, float]:
 # -- processes and waits ---------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def running(cluster: LocalCluster, timeout_s: float = 180.0) -> Iterator[LocalCluster]:
+    """Start the cluster; stop it (router, then every worker process) however the block ends."""
+    try:
+        cluster.start(timeout_s)
+        yield cluster
+    finally:
+        cluster.stop()  # SIGTERM; SIGKILL (which leaks a /dev/shm KV cache) only past 15 s
+
+
+def redis_pid(url: str) -> int | None:
+    """The pid the Redis at `url` reports, None while nothing answers there."""
+    client = redis.Redis.from_url(url, socket_timeout=1.0)
+    try:
+        return int(client.info("server")["process_id"])
+    except redis.ConnectionError:
+        return None
+    finally:
+        client.close()
+
+
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, every_s: float = 0.05) -> T:
     """Poll until `predicate()` is truthy; return it, or fail the test after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

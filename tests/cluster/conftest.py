@@ -16,26 +16,16 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from cluster_helpers import running
 
 from tandem.cluster.local_cluster import LocalCluster, WorkerProcess
 from tandem.config import RouterConfig
 from tandem.engine import LLM
 
 SMOL = "smollm2-135m"
-
-
-@contextmanager
-def running(cluster: LocalCluster, timeout_s: float = 180.0) -> Iterator[LocalCluster]:
-    """Start the cluster; stop it (router, then every worker process) however the block ends."""
-    try:
-        cluster.start(timeout_s)
-        yield cluster
-    finally:
-        cluster.stop()  # SIGTERM; SIGKILL (which leaks a /dev/shm KV cache) only past 15 s
 
 
 class SpecPairCluster(LocalCluster):
@@ -90,7 +80,8 @@ def tiny(tiny_long_path: Path) -> Iterator[LocalCluster]:
         http_port=0,
         grpc_port=0,
         heartbeat_ttl_s=TINY_TTL_S,
-        router=RouterConfig(str(tiny_long_path)),  # the default policies
+        # the default policies; a replacement decode worker may start slowly on a busy machine
+        router=RouterConfig(str(tiny_long_path), decode_wait_s=120.0),
         worker_args=["--kv-memory-gib", "0.1", "--num-threads", "1"],
     )
     with running(cluster):

@@ -16,9 +16,15 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
-from cluster_helpers import grpc_stream, wait_for, wait_router_idle, wait_workers_idle, workers
-from conftest import running
+from cluster_helpers import (
+    grpc_stream,
+    redis_pid,
+    running,
+    wait_for,
+    wait_router_idle,
+    wait_workers_idle,
+    workers,
+)
 
 from tandem.cluster.local_cluster import LocalCluster
 
@@ -39,17 +45,6 @@ def cluster(tiny_llama_path: Path) -> Iterator[LocalCluster]:
 def prompt(i: int) -> list[int]:
     """One of four prompts of 40 byte tokens (long enough for a prefill-worker hand-over)."""
     return list(f"{i % 4} a registry that comes back, again and again ".encode()[:40])
-
-
-def redis_pid(url: str) -> int | None:
-    """The pid the Redis at `url` reports, None while nothing answers there."""
-    client = redis.Redis.from_url(url, socket_timeout=1.0)
-    try:
-        return int(client.info("server")["process_id"])
-    except redis.ConnectionError:
-        return None
-    finally:
-        client.close()
 
 
 class Load:

@@ -394,7 +394,8 @@ def test_overload_is_429_and_resource_exhausted(
 
 def test_no_worker_is_503_and_unavailable(smollm2_path: Path) -> None:
     registry = Registry()  # an empty registry: no worker ever registers
-    server = RouterServer(RouterConfig(SMOL), registry.url, http_port=0, grpc_port=0)
+    config = RouterConfig(SMOL, decode_wait_s=0.0)  # no waiting for a replacement
+    server = RouterServer(config, registry.url, http_port=0, grpc_port=0)
     try:
         address = server.start()
         r = http_post(f"{address.http_url}/v1/completions", {"prompt": "Hi", "max_tokens": 2})

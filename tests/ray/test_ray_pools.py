@@ -43,7 +43,10 @@ def cluster(tiny_llama_path: Path) -> Iterator[RayCluster]:
         engine=ENGINE,
         prefill_pool=PoolSpec(0.5),
         decode_pool=PoolSpec(0.5),
-        router=RouterConfig(str(tiny_llama_path), local_prefill_tokens=8),
+        # decode_wait_s=0: a request whose only decode worker dies fails at once here (the
+        # replacement takes a model load); waiting for it is tested on the local cluster
+        # (tests/cluster/test_tiny_cluster.py).
+        router=RouterConfig(str(tiny_llama_path), local_prefill_tokens=8, decode_wait_s=0.0),
         num_cpus=8,
         heartbeat_ttl_s=1.5,
     )

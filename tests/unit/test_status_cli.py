@@ -9,6 +9,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -86,3 +87,60 @@ def test_a_terminal_never_truncates_names(
     lines = out.getvalue().splitlines()
     assert not any("…" in line for line in lines)
     assert [line.split()[:2] for line in lines if "-end" in line] == first_cells
+
+
+class Remote:
+    """A Ray actor method as the router calls it: `.remote()` gives something to await."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def remote(self) -> Any:
+        async def result() -> object:
+            return self.value
+
+        return result()
+
+
+class ControllerDouble:
+    """Test double of the Ray pool controller's actor handle (tests/ray test the controller):
+    one decode worker pending for want of CPUs, one placement dropped earlier."""
+
+    REASON = "infeasible on this cluster: needs CPU 64, the cluster has CPU 2"
+
+    def __init__(self) -> None:
+        slots = [
+            {"role": "decode", "worker_id": "", "state": "pending", "reason": self.REASON,
+             "age_s": 12.0},
+            {"role": "prefill", "worker_id": PREFILL, "state": "serving", "reason": "",
+             "age_s": 99.0},
+        ]  # fmt: skip
+        error = f"dropped a decode worker not placed in 300 s: {self.REASON}"
+        self.status = Remote(slots)
+        self.recent_events = Remote([{"time": 0.0, "role": "decode", "error": error}])
+
+
+def test_status_shows_pending_workers_with_their_reason_and_the_controllers_errors(
+    tiny_llama_path: Path,
+) -> None:
+    with Registry() as registry:
+        config = RouterConfig(str(tiny_llama_path))
+        server = RouterServer(
+            config, registry.url, http_port=0, grpc_port=0, controller=ControllerDouble()
+        )
+        try:
+            target = server.start().grpc_target
+            result = CliRunner().invoke(app, ["status", "--router", target, "--json"])
+            assert result.exit_code == 0, result.output
+            reply = json.loads(result.stdout)
+            assert reply["pending"] == [
+                {"role": "decode", "state": "pending", "reason": ControllerDouble.REASON,
+                 "age_s": 12.0},
+            ]  # fmt: skip
+            assert [e["role"] for e in reply["events"]] == ["decode"]
+            result = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["status", "--router", target])
+            lines = result.stdout.splitlines()
+            assert f"decode worker pending for 12 s: {ControllerDouble.REASON}" in lines
+            assert lines[-1].startswith("error at ") and "dropped a decode worker" in lines[-1]
+        finally:
+            server.stop()

@@ -1,0 +1,164 @@
+"""Faults under concurrent streaming load (gRPC and SSE clients) on a 2P2D --no-ray cluster of
+the tiny random Llama whose dead worker processes are started again, as `tandem serve --no-ray`
+does: a prefill worker SIGKILLed (its prefills retried on the other one), a decode worker
+SIGKILLed (its streams migrate), a storm of client cancels over both APIs, and (`make chaos`)
+the embedded Redis SIGKILLed or paused past the heartbeat TTL.
+
+Each scenario asserts: every request ends, completed or with an error the fault allows, and no
+client waits past its deadline; each completed greedy output equals the offline engine's; the
+cluster serves again within RECOVERY_S of the fault; once the load stops and the dead worker is
+back, no worker holds a request or a KV block and the router holds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from chaos_load import TTL_S, WORKER_ARGS, Load, Reference, check_outcomes, reference_of
+from cluster_helpers import (
+    redis_pid,
+    running,
+    sigkill,
+    wait_for,
+    wait_router_idle,
+    wait_workers_idle,
+    workers,
+)
+
+from tandem.cluster.local_cluster import LocalCluster
+from tandem.config import RouterConfig
+
+pytestmark = pytest.mark.timeout(240)
+
+CLIENTS = 4
+RECOVERY_S = 30.0  # the cluster completes requests again within this of a fault
+REFUSED = frozenset({"UNAVAILABLE", "http 503"})  # refused at admission: no worker listed
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path: Path) -> Iterator[LocalCluster]:
+    local = LocalCluster(
+        str(tiny_llama_path),
+        num_prefill=2,
+        num_decode=2,
+        http_port=0,
+        grpc_port=0,
+        heartbeat_ttl_s=TTL_S,
+        worker_args=WORKER_ARGS,
+        router=RouterConfig(str(tiny_llama_path), decode_wait_s=60.0),
+        restart_workers=True,
+    )
+    with running(local):
+        yield local
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: LocalCluster, offline_tokens: dict[int, list[int]]) -> Reference:
+    return reference_of(cluster, offline_tokens)
+
+
+def under_load(
+    cluster: LocalCluster,
+    reference: Reference,
+    fault: Callable[[], str | None],
+    allowed: frozenset[str] = frozenset(),
+    cancel_rate: float = 0.0,
+    after: int = 2 * CLIENTS,
+) -> Counter[str]:
+    """Run the load, inject `fault` once it flows (it returns the id of the worker it killed,
+    if any), run `after` more requests to their end, and check the scenario's promises."""
+    assert cluster.address is not None
+    load = Load(cluster.address, CLIENTS, cancel_rate, seed=len(cluster.workers)).start()
+    try:
+        wait_for(lambda: load.ended() >= CLIENTS, 60.0, "the load to flow")
+        done = load.ended()
+        victim = fault()
+        wait_for(lambda: load.ended() > done, RECOVERY_S, "serving again")
+        total = load.ended(completed_only=False)
+        wait_for(lambda: load.ended(completed_only=False) >= total + after, 120.0, "the requests")
+    finally:
+        outcomes = load.stop()
+    kinds = check_outcomes(outcomes, reference, allowed)
+
+    def whole() -> bool:
+        listed = workers(cluster)
+        roles = Counter(w.role for w in listed)
+        return roles == {"prefill": 2, "decode": 2} and victim not in {w.worker_id for w in listed}
+
+    wait_for(whole, 60.0, "the killed worker's replacement to be listed in its place")
+    wait_router_idle(cluster, 10.0)
+    wait_workers_idle(workers(cluster), 10.0)  # no request, no KV block held anywhere
+    return kinds
+
+
+def kill_one(cluster: LocalCluster, role: str) -> Callable[[], str]:
+    def kill() -> str:
+        victim = random.Random(0).choice(workers(cluster, role))
+        sigkill(cluster, victim)
+        return victim.worker_id
+
+    return kill
+
+
+def test_a_killed_prefill_worker_costs_no_request(
+    cluster: LocalCluster, reference: Reference
+) -> None:
+    kinds = under_load(cluster, reference, kill_one(cluster, "prefill"))
+    assert kinds["completed"] >= 3 * CLIENTS
+
+
+def test_a_killed_decode_worker_costs_no_request(
+    cluster: LocalCluster, reference: Reference
+) -> None:
+    kinds = under_load(cluster, reference, kill_one(cluster, "decode"))
+    assert kinds["completed"] >= 3 * CLIENTS
+
+
+@pytest.mark.parametrize(
+    "storm", [40, pytest.param(400, marks=pytest.mark.chaos)], ids=["40", "400"]
+)
+def test_a_cancel_storm_leaks_nothing(
+    cluster: LocalCluster, reference: Reference, storm: int
+) -> None:
+    """Requests cancelled by their clients at random points (before the first token, or after
+    a few), over gRPC and HTTP, among requests that complete."""
+    kinds = under_load(cluster, reference, lambda: None, cancel_rate=0.7, after=storm)
+    assert kinds["cancelled by the client"] >= storm // 2
+
+
+def signal_redis(cluster: LocalCluster, signum: signal.Signals) -> int:
+    """Send `signum` to the embedded redis-server; its pid."""
+    assert cluster.registry is not None
+    pid = redis_pid(cluster.registry.url)
+    assert pid is not None
+    os.kill(pid, signum)
+    return pid
+
+
+@pytest.mark.chaos
+def test_a_killed_embedded_redis_loses_no_admitted_request(
+    cluster: LocalCluster, reference: Reference
+) -> None:
+    def kill() -> None:
+        signal_redis(cluster, signal.SIGKILL)  # its supervisor starts it again, empty
+
+    under_load(cluster, reference, kill, REFUSED)
+
+
+@pytest.mark.chaos
+def test_redis_paused_past_the_heartbeat_ttl(cluster: LocalCluster, reference: Reference) -> None:
+    def pause() -> None:
+        pid = signal_redis(cluster, signal.SIGSTOP)
+        try:
+            time.sleep(3 * TTL_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    under_load(cluster, reference, pause, REFUSED)

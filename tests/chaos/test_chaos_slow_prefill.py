@@ -1,0 +1,90 @@
+"""A prefill worker slowed by the fault injector ($TANDEM_FAULT_PREFILL_STEP_DELAY_S, read in
+tandem/config.py), under concurrent streaming load on a 1P1D --no-ray cluster of the tiny random
+Llama whose decode worker gives a KV transfer TRANSFER_TIMEOUT_S:
+
+- every step slower than the transfer's deadline: each transfer times out on both sides and the
+  request falls back (the decode worker prefills it) and completes, greedy equal to the offline
+  engine; DEADLINE_EXCEEDED / 504 is the only error allowed, INVALID_ARGUMENT never;
+- (`make chaos`) steps faster than the deadline but a queue of prompts longer than it (QUEUE
+  at once, one prompt a step): the prefill worker renews each waiting transfer, so none times
+  out and every prompt is prefilled there, none locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from chaos_load import WORKER_ARGS, Load, Reference, check_outcomes, reference_of
+from cluster_helpers import running, scrape, wait_for, wait_router_idle, wait_workers_idle, workers
+
+from tandem.cluster.local_cluster import LocalCluster
+from tandem.config import FAULT_PREFILL_STEP_DELAY
+
+pytestmark = pytest.mark.timeout(240)
+
+TRANSFER_TIMEOUT_S = 1.0
+QUEUE = 8  # prompts sent at once to a prefill worker that runs one at a time
+SERVER_TIMEOUTS = frozenset({"DEADLINE_EXCEEDED", "http 504", "timeout"})
+
+
+def slowed_cluster(
+    model: Path, step_delay_s: float, prefill_args: tuple[str, ...] = ()
+) -> Iterator[LocalCluster]:
+    local = LocalCluster(
+        str(model),
+        http_port=0,
+        grpc_port=0,
+        worker_args=[*WORKER_ARGS, "--transfer-timeout", str(TRANSFER_TIMEOUT_S)],
+        prefill_args=list(prefill_args),
+    )
+    with pytest.MonkeyPatch.context() as env:  # the worker processes inherit it
+        env.setenv(FAULT_PREFILL_STEP_DELAY, str(step_delay_s))
+        with running(local):
+            yield local
+
+
+@pytest.fixture(scope="module")
+def slowed(tiny_llama_path: Path) -> Iterator[LocalCluster]:
+    yield from slowed_cluster(tiny_llama_path, 1.5 * TRANSFER_TIMEOUT_S)
+
+
+def run_load(cluster: LocalCluster, reference: Reference, requests: int, clients: int) -> None:
+    assert cluster.address is not None
+    load = Load(cluster.address, clients).start()
+    try:
+        wait_for(lambda: load.ended(completed_only=False) >= requests, 120.0, "the requests")
+    finally:
+        outcomes = load.stop()
+    check_outcomes(outcomes, reference, SERVER_TIMEOUTS)
+    wait_router_idle(cluster, 10.0)
+    wait_workers_idle(workers(cluster), 10.0)
+
+
+def test_a_prefill_slowed_past_its_deadline_falls_back_and_completes(
+    slowed: LocalCluster, offline_tokens: dict[int, list[int]]
+) -> None:
+    # The reference requests go through the slowed prefill worker too: they fall back already.
+    reference = reference_of(slowed, offline_tokens)
+    run_load(slowed, reference, requests=4, clients=2)
+    (decode,) = workers(slowed, "decode")
+    failures = scrape(decode.metrics_url)
+    assert failures.get("tandem_kv_transfer_failures", 0) > 0, "no transfer timed out"
+
+
+@pytest.mark.chaos
+def test_a_prefill_queue_longer_than_the_deadline_is_renewed(
+    tiny_llama_path: Path, offline_tokens: dict[int, list[int]]
+) -> None:
+    for cluster in slowed_cluster(
+        tiny_llama_path, 0.3 * TRANSFER_TIMEOUT_S, ("--max-num-seqs", "1")
+    ):
+        reference = reference_of(cluster, offline_tokens)
+        router = cluster.router_server.router  # type: ignore[union-attr]
+        assert router is not None
+        local_before = router.local_prefills
+        run_load(cluster, reference, requests=QUEUE, clients=QUEUE)
+        assert router.local_prefills == local_before
+        (decode,) = workers(cluster, "decode")
+        assert scrape(decode.metrics_url).get("tandem_kv_transfer_failures", 0) == 0
