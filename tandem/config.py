@@ -110,6 +110,17 @@ def put_python_bin_on_path() -> None:
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 
 
+# A launcher's pid, set in its child's environment (tandem/cluster/lifetime.py die_with_parent)
+PARENT_PID_ENV = "TANDEM_DIE_WITH_PARENT"
+
+
+def take_parent_pid() -> int | None:
+    """The launcher's pid a child was started with, taken out of the environment so that this
+    process's own children do not take it for theirs."""
+    value = os.environ.pop(PARENT_PID_ENV, None)
+    return None if value is None else int(value)
+
+
 def child_environment(**defaults: str) -> dict[str, str]:
     """This process's environment for a child, with `defaults` where it sets nothing."""
     return {**defaults, **os.environ}

@@ -21,29 +21,30 @@ import sys
 from collections.abc import Mapping
 from types import FrameType
 
+from tandem.config import PARENT_PID_ENV, child_environment, take_parent_pid
+
 log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-PARENT_PID_ENV = "TANDEM_DIE_WITH_PARENT"  # the launcher's pid, for its child to arm the signal
 
 
 def die_with_parent(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's environment) for a child that must receive SIGTERM when
     this process dies, once it has called `arm_parent_death_signal()`. Start the child in the
     thread that outlives it: the kernel sends the signal when that *thread* ends."""
-    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+    return {**(child_environment() if env is None else env), PARENT_PID_ENV: str(os.getpid())}
 
 
 def arm_parent_death_signal() -> None:
     """In a child started with `die_with_parent()`'s environment: SIGTERM when its launcher dies,
     at once if it has died already. The variable goes, so this process's own children do not
     take it for theirs. A no-op anywhere else, and off Linux."""
-    parent = os.environ.pop(PARENT_PID_ENV, None)
+    parent = take_parent_pid()
     if parent is None or not sys.platform.startswith("linux"):
         return
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
-    if os.getppid() != int(parent):  # the launcher died before the signal was armed
+    if os.getppid() != parent:  # the launcher died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
 
 

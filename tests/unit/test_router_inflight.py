@@ -331,7 +331,8 @@ def test_decode_worker_dying_with_no_other_left_is_unavailable(tiny_llama_path: 
     async def scenario(c: Cluster) -> None:
         assert (await failure(c, LONG)).kind == ErrorKind.UNAVAILABLE
 
-    run(tiny_llama_path, {"p1": "push", "d1": "die"}, scenario)
+    # No wait for a replacement decode worker (test_router_decode_wait.py covers the wait).
+    run(tiny_llama_path, {"p1": "push", "d1": "die"}, scenario, decode_wait_s=0)
 
 
 def test_abort_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
