@@ -63,6 +63,7 @@ LOCAL_PREFILL_SUFFIX = "/local"  # the worker-side id of a request D prefills it
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this often
 MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
+CHOICE_SUFFIX = "/c"  # + the index: the id of one of a request's n choices (router/choices.py)
 DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
 
 
@@ -317,11 +318,14 @@ class Router:
     # -- generate -----------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request this replica holds; whether it holds it."""
-        event = self._aborts.get(request_id)
-        if event is not None:
+        """Abort a request this replica holds (all its choices); whether it holds it."""
+        choice = f"{request_id}{CHOICE_SUFFIX}"
+        events = [
+            e for rid, e in self._aborts.items() if rid == request_id or rid.startswith(choice)
+        ]
+        for event in events:
             event.set()
-        return event is not None
+        return bool(events)
 
     async def abort_anywhere(self, request_id: str) -> bool:
         """Abort the request on whichever router replica holds it: True when this one does,

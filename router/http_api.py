@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from typing import Any, Literal
 
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.auth import BearerMiddleware, Credentials
+from router.choices import MAX_N, choice_preps, merged
 from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
@@ -185,8 +187,8 @@ class _Sampling(BaseModel):
         return StructuredOutput.json_schema(form.schema_, name)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise invalid(f"n must be 1, got {self.n}", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
         given = [name for name in NO_OP_FIELDS if getattr(self, name) is not None]
@@ -433,10 +435,8 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
             else {"prompt_token_ids": body.prompt}
         )
         prep = router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
-        render = _CompletionRender(router, prep, body.logprobs is not None)
-        return await _respond(
-            router, metrics, prep, render, body.stream, body.include_usage, request
-        )
+        render = _CompletionRender(router, prep, body.logprobs is not None, body.n)
+        return await _respond(router, metrics, render, body, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -451,23 +451,17 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
                 body.add_generation_prompt, body.chat_template_kwargs or {}
             ),
         )
-        render = _ChatRender(router, prep, body.logprobs)
-        return await _respond(
-            router, metrics, prep, render, body.stream, body.include_usage, request
-        )
+        render = _ChatRender(router, prep, body.logprobs, body.n)
+        return await _respond(router, metrics, render, body, request)
 
 
 async def _respond(
-    router: Router,
-    metrics: RouterMetrics,
-    prep: Prepared,
-    render: _Render,
-    stream: bool,
-    include_usage: bool,
-    request: Request,
+    router: Router, metrics: RouterMetrics, render: _Render, body: _Sampling, request: Request
 ) -> Response:
-    deltas = metrics.observe(router.generate(prep))
-    if not stream:
+    """Run the request's n choices (`choices.py`) and answer, whole or as a stream."""
+    preps = choice_preps(render.prep, body.n)
+    deltas = merged(lambda p: metrics.observe(router.generate(p)), preps)
+    if not body.stream:
         try:
             await _run_while_connected(deltas, render, request)
         finally:
@@ -479,10 +473,10 @@ async def _respond(
 
     async def sse() -> AsyncIterator[str]:
         try:
-            yield _event(render.chunk(first, first=True))
-            async for d in deltas:
-                yield _event(render.chunk(d))
-            if include_usage:
+            yield _event(render.chunk(*first))
+            async for index, d in deltas:
+                yield _event(render.chunk(index, d))
+            if body.include_usage:
                 yield _event(render.usage_chunk())
         except RouterError as e:  # after the 200: report in the stream, as OpenAI does
             yield _event(error_body(e))
@@ -494,14 +488,14 @@ async def _respond(
 
 
 async def _run_while_connected(
-    deltas: AsyncIterator[Delta], render: _Render, request: Request
+    deltas: AsyncIterator[tuple[int, Delta]], render: _Render, request: Request
 ) -> None:
     """Collect the whole answer; a client that disconnects first ends the request (on every
     worker, through the generator's close), as closing a stream does."""
 
     async def collect() -> None:
-        async for d in deltas:
-            render.add(d)
+        async for index, d in deltas:
+            render.add(index, d)
 
     task = asyncio.create_task(collect())
     try:
@@ -519,25 +513,16 @@ def _event(payload: dict[str, Any]) -> str:
     return "data: " + json.dumps(payload) + "\n\n"
 
 
-class _Render:
-    """Accumulates deltas into an OpenAI response, or turns each into a stream chunk."""
+@dataclass
+class _Choice:
+    """One choice's answer so far."""
 
-    kind = ""
-
-    def __init__(self, router: Router, prep: Prepared, logprobs: bool) -> None:
-        self.tokenizer = router.tokenizer
-        self.model = router.model_name
-        self.prep = prep
-        self.logprobs = logprobs
-        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.text: list[str] = []
-        self.token_logprobs: list[TokenLogprobs] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.completion_tokens = 0
-
-    prefix = "cmpl"
+    text: list[str] = field(default_factory=list)
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    completion_tokens: int = 0
+    started: bool = False  # a stream chunk has been sent for it
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -547,12 +532,34 @@ class _Render:
             self.stop_reason = d.stop_reason
             self.completion_tokens = d.completion_tokens
 
+
+class _Render:
+    """Accumulates each choice's deltas into an OpenAI response, or turns each into a stream
+    chunk that names its choice index."""
+
+    kind = ""
+    prefix = "cmpl"
+
+    def __init__(self, router: Router, prep: Prepared, logprobs: bool, n: int) -> None:
+        self.tokenizer = router.tokenizer
+        self.model = router.model_name
+        self.prep = prep
+        self.logprobs = logprobs
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(n)]
+
+    def add(self, index: int, d: Delta) -> None:
+        self.choices[index].add(d)
+
     def usage(self) -> dict[str, int]:
+        """The prompt counted once, as OpenAI does, and every choice's completion."""
         n_prompt = len(self.prep.prompt_token_ids)
+        completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": n_prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": n_prompt + self.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": n_prompt + completion,
         }
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -571,9 +578,20 @@ class _Render:
         return str(self.tokenizer.decode([token_id]))
 
     def full(self) -> dict[str, Any]:
+        choices = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
+        return {**self.envelope(self.kind, choices), "usage": self.usage()}
+
+    def chunk(self, index: int, d: Delta) -> dict[str, Any]:
+        choice = self.choices[index]
+        first = not choice.started
+        choice.started = True
+        choice.add(d)
+        return self.envelope(f"{self.kind}.chunk", [self.chunk_choice(index, d, first)])
+
+    def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
         raise NotImplementedError
 
 
@@ -596,25 +614,22 @@ class _CompletionRender(_Render):
             ],
         }
 
-    def full(self) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": "".join(self.text),
-            "logprobs": self._logprobs(self.token_logprobs),
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
+    def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": "".join(c.text),
+            "logprobs": self._logprobs(c.token_logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         }
-        return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
 
-    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
-        self.add(d)
-        choice = {
-            "index": 0,
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
+        return {
+            "index": index,
             "text": d.text,
             "logprobs": self._logprobs(d.logprobs),
             "finish_reason": d.finish_reason,
         }
-        return self.envelope("text_completion", [choice])
 
 
 class _ChatRender(_Render):
@@ -641,25 +656,22 @@ class _ChatRender(_Render):
             ]
         }
 
-    def full(self) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(self.text)},
-            "logprobs": self._logprobs(self.token_logprobs),
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
+    def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(c.text)},
+            "logprobs": self._logprobs(c.token_logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         }
-        return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
 
-    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
-        self.add(d)
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": d.text}
         if first:
             delta["role"] = "assistant"
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "delta": delta,
             "logprobs": self._logprobs(d.logprobs),
             "finish_reason": d.finish_reason,
         }
-        return self.envelope("chat.completion.chunk", [choice])

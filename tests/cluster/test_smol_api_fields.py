@@ -23,9 +23,11 @@ import jsonschema
 import openai
 import pytest
 from cluster_helpers import (
+    generate_request,
     grpc_error,
     grpc_generate,
     http_post,
+    sse_events,
     wait_router_idle,
     wait_workers_idle,
     workers,
@@ -40,7 +42,7 @@ from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.structured import StructuredOutput
-from tandem.v1 import api_pb2
+from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -173,6 +175,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_blocks(smol: LocalCluster,
     every_worker = workers(smol)
     wait_workers_idle(every_worker, 5.0)
     body = {"model": SMOL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    body["n"] = 2  # every choice ends
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the request runs
         httpx.post(f"{url}/v1/completions", json=body, timeout=2.0)
     wait_workers_idle(every_worker, 10.0)
@@ -353,3 +356,67 @@ def test_logit_bias_steers_the_output_and_bad_biases_are_400(
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "logit_bias" and message in error["message"], error
+
+
+# -- n choices -------------------------------------------------------------------------------
+
+
+def test_n_choices_are_indexed_seeded_and_count_the_prompt_once(
+    smol: LocalCluster, client: openai.OpenAI
+) -> None:
+    def ask(n: int) -> Any:
+        return client.chat.completions.create(
+            model=SMOL,
+            messages=CHAT,
+            n=n,
+            max_tokens=6,
+            temperature=1.0,
+            seed=7,
+            extra_body={"ignore_eos": True},
+        )
+
+    one, three = ask(1), ask(3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.message.content for c in three.choices}) > 1  # choice i draws with seed + i
+    assert three.usage is not None and one.usage is not None
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * 6
+    wait_workers_idle(workers(smol), 10.0)
+
+
+def grpc_choices(target: str, n: int, **sampling: Any) -> dict[int, list[int]]:
+    """Each choice's tokens from one Generate call with `n` choices."""
+    request = generate_request("Once upon a time", **sampling)
+    request.n = n
+    request.speculative = False  # seeded draws differ under speculation (docs/engine.md)
+    tokens: dict[int, list[int]] = {}
+    with grpc.insecure_channel(target) as channel:
+        for msg in api_pb2_grpc.TandemStub(channel).Generate(request, timeout=60):
+            tokens.setdefault(msg.index, []).extend(msg.token_ids)
+            if msg.finish_reason:
+                assert msg.usage.completion_tokens == len(tokens[msg.index])
+    return tokens
+
+
+def test_seeded_choices_are_reproducible_over_grpc(smol: LocalCluster) -> None:
+    target = smol.address.grpc_target
+    sampling = {"max_tokens": 4, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    three = grpc_choices(target, 3, **sampling)
+    assert sorted(three) == [0, 1, 2] and all(len(t) == 4 for t in three.values())
+    assert three == grpc_choices(target, 3, **sampling)
+    assert three[0] == grpc_choices(target, 1, **sampling)[0]  # choice 0 keeps the seed
+
+
+def test_n_choices_stream_with_their_index(url: str) -> None:
+    body = {"model": SMOL, "prompt": "Once upon a time", "n": 2, "max_tokens": 4}
+    body |= {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        events = list(sse_events(r.iter_lines()))
+    chunks = [e for e in events if e["choices"]]
+    finished = sorted(c["index"] for e in chunks for c in e["choices"] if c["finish_reason"])
+    assert finished == [0, 1]
+    assert {len(e["choices"]) for e in chunks} == {1}
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    for n in (0, 129):
+        r = http_post(f"{url}/v1/completions", {**body, "stream": False, "n": n})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
