@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from typing import Any, Literal
 
@@ -32,6 +32,7 @@ from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
+from router.tools import ToolUse
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
@@ -238,16 +239,35 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _Function
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant's tool calls only
     name: str | None = None  # a participant's name: accepted, not shown to the model
+    tool_calls: list[_ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self, index: int) -> str:
         """The content as text: a string, or text parts joined by newlines (as vLLM does);
         any other part is a 400 naming it."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -262,21 +282,76 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    def template_message(self, index: int) -> dict[str, Any]:
+        """The message as a chat template reads it: role and text content, an assistant's
+        tool calls with their arguments as objects (as vLLM passes them), a tool message's
+        call id. A message of the wrong shape is a 400 naming `messages`."""
+        where = f"messages[{index}]"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise invalid(f"{where} needs content", "messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise invalid(f"{where}: only assistant messages have tool_calls", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise invalid(f"{where}: tool messages, and only they, have tool_call_id", "messages")
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c, where)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: _ToolCall, where: str) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        message = f"{where}: tool call {call.id} has arguments that are not JSON"
+        raise invalid(message, "messages") from None
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def rendered_messages(self) -> list[dict[str, str]]:
+    def rendered_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
+    def tool_use(self) -> ToolUse | None:
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template reads them: role and text content."""
-    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    def chat_sampling_params(self, tool_use: ToolUse | None) -> SamplingParams:
+        """The sampling parameters, with the constraint that the tool choice puts on the output."""
+        n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        params = self.sampling_params(n_logprobs)
+        constraint = tool_use.structured_output() if tool_use is not None else None
+        if constraint is None:
+            return params
+        if params.structured_output is not None:
+            raise invalid(
+                f"tool_choice {tool_use.choice if tool_use else ''} constrains the output; "
+                f"it cannot be combined with {params.structured_output.source}",
+                "tool_choice",
+            )
+        return replace(params, structured_output=constraint)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them."""
+    return [m.template_message(i) for i, m in enumerate(messages)]
 
 
 def error_body(e: RouterError) -> dict[str, Any]:
@@ -440,18 +515,20 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(n_logprobs)
+        tool_use = body.tool_use()
         prep = router.prepare(
-            params,
+            body.chat_sampling_params(tool_use),
             model=body.model,
             messages=body.rendered_messages(),
             timeout_s=body.timeout,
             chat_template=ChatTemplateOptions(
-                body.add_generation_prompt, body.chat_template_kwargs or {}
+                body.add_generation_prompt,
+                body.chat_template_kwargs or {},
+                body.continue_final_message,
+                tool_use.prompt_tools if tool_use is not None else None,
             ),
         )
-        render = _ChatRender(router, prep, body.logprobs, body.n)
+        render = _ChatRender(router, prep, body.logprobs, body.n, tool_use)
         return await _respond(router, metrics, render, body, request)
 
 
@@ -473,9 +550,9 @@ async def _respond(
 
     async def sse() -> AsyncIterator[str]:
         try:
-            yield _event(render.chunk(*first))
-            async for index, d in deltas:
-                yield _event(render.chunk(index, d))
+            async for index, d in _starting_with(first, deltas):
+                if (chunk := render.chunk(index, d)) is not None:
+                    yield _event(chunk)
             if body.include_usage:
                 yield _event(render.usage_chunk())
         except RouterError as e:  # after the 200: report in the stream, as OpenAI does
@@ -485,6 +562,12 @@ async def _respond(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _starting_with(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 async def _run_while_connected(
@@ -581,17 +664,20 @@ class _Render:
         choices = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
         return {**self.envelope(self.kind, choices), "usage": self.usage()}
 
-    def chunk(self, index: int, d: Delta) -> dict[str, Any]:
+    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+        """The stream chunk of choice `index`'s delta; None while the delta is held back."""
         choice = self.choices[index]
-        first = not choice.started
-        choice.started = True
         choice.add(d)
-        return self.envelope(f"{self.kind}.chunk", [self.chunk_choice(index, d, first)])
+        body = self.chunk_choice(index, d, not choice.started)
+        if body is None:
+            return None
+        choice.started = True
+        return self.envelope(f"{self.kind}.chunk", [body])
 
     def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
         raise NotImplementedError
 
 
@@ -656,16 +742,38 @@ class _ChatRender(_Render):
             ]
         }
 
+    def __init__(
+        self, router: Router, prep: Prepared, logprobs: bool, n: int, tool_use: ToolUse | None
+    ) -> None:
+        super().__init__(router, prep, logprobs, n)
+        self.tool_use = tool_use if tool_use is not None and tool_use.parses else None
+
+    def _message(self, c: _Choice) -> tuple[dict[str, Any], str | None]:
+        """The choice's message, its tool calls read from the text when tools may be called,
+        and its finish reason (`tool_calls` when it ended with calls)."""
+        text = "".join(c.text)
+        if self.tool_use is None:
+            return {"role": "assistant", "content": text}, c.finish_reason
+        content, calls = self.tool_use.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if not calls:
+            return message, c.finish_reason
+        message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
     def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        message, finish_reason = self._message(c)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": "".join(c.text)},
+            "message": message,
             "logprobs": self._logprobs(c.token_logprobs),
-            "finish_reason": c.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": c.stop_reason,
         }
 
-    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
+        if self.tool_use is not None:
+            return self._tool_chunk_choice(index, d)
         delta: dict[str, Any] = {"content": d.text}
         if first:
             delta["role"] = "assistant"
@@ -674,4 +782,21 @@ class _ChatRender(_Render):
             "delta": delta,
             "logprobs": self._logprobs(d.logprobs),
             "finish_reason": d.finish_reason,
+        }
+
+    def _tool_chunk_choice(self, index: int, d: Delta) -> dict[str, Any] | None:
+        """With tools, a choice's answer is held back to its end, then sent as one delta: its
+        content and its tool calls (each with its `index`, id, name and whole arguments)."""
+        if d.finish_reason is None:
+            return None
+        c = self.choices[index]
+        message, finish_reason = self._message(c)
+        delta = {"role": "assistant", "content": message["content"]}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(message["tool_calls"])]
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(c.token_logprobs),
+            "finish_reason": finish_reason,
         }
