@@ -42,6 +42,7 @@ from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.structured import StructuredOutput
+from tandem.tokenizer import load_tokenizer
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -95,7 +96,7 @@ def test_every_openai_field_works_is_a_no_op_or_is_rejected_by_name(
 ) -> None:
     served = set(model.model_fields) - set(NO_OP_FIELDS)
     rejected = sorted(fields - served - set(NO_OP_FIELDS))
-    assert "tools" in rejected or path == "/v1/completions"
+    assert "functions" in rejected or path == "/v1/completions"
     for name in rejected:
         r = http_post(f"{url}{path}", {**base, name: {"any": "value"}})
         assert r.status_code == 400, (name, r.text)
@@ -420,3 +421,136 @@ def test_n_choices_stream_with_their_index(url: str) -> None:
     for n in (0, 129):
         r = http_post(f"{url}/v1/completions", {**body, "stream": False, "n": n})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+# -- roles, continue_final_message, tools ----------------------------------------------------
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+WEATHER_CHAT: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def greedy_chat(client: openai.OpenAI, messages: Any, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=SMOL, messages=messages, max_tokens=8, temperature=0, **kwargs
+    )
+
+
+def test_developer_is_system_and_a_final_message_can_be_continued(
+    url: str, client: openai.OpenAI, smollm2_path: Any
+) -> None:
+    system = [{"role": "system", "content": "Answer in French."}, *CHAT]
+    developer = [{"role": "developer", "content": "Answer in French."}, *CHAT]
+    assert (
+        greedy_chat(client, developer).choices[0].message.content
+        == greedy_chat(client, system).choices[0].message.content
+    )
+    started: Any = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    r = greedy_chat(client, started, extra_body=extra)
+    prompt = load_tokenizer(smollm2_path).apply_chat_template(
+        started, False, continue_final_message=True
+    )
+    assert prompt.endswith("Red, green and")  # no end of turn, no new assistant turn
+    raw = client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == raw.choices[0].text
+    body = {"model": SMOL, "messages": started, "continue_final_message": True}
+    r = http_post(f"{url}/v1/chat/completions", body)  # add_generation_prompt defaults to true
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    body = {**body, "messages": CHAT, "add_generation_prompt": False}
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.status_code == 400 and "final assistant message" in r.text
+
+
+def tool_calls_of(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[Any, str]:
+    """The tool calls (as dicts) and finish reason of one answer, streamed or not."""
+    args = {"model": SMOL, "messages": WEATHER_CHAT, "tools": TOOLS, "max_tokens": 60, **kwargs}
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [c.model_dump() for c in choice.message.tool_calls or []]
+        return calls, choice.finish_reason
+    calls, finish = [], ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            calls += [t.model_dump(exclude={"index"}) for t in c.delta.tool_calls or []]
+            finish = c.finish_reason or finish
+    return calls, finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required_and_named_tool_choices_give_arguments_that_validate(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        calls, finish = tool_calls_of(client, stream, tool_choice=tool_choice, temperature=1.0)
+        assert finish == "tool_calls" and calls, (tool_choice, calls)
+        for c in calls:
+            assert c["type"] == "function" and c["id"].startswith("call_")
+            name, arguments = c["function"]["name"], json.loads(c["function"]["arguments"])
+            assert name in ("get_weather", "get_time")
+            if name == "get_weather":
+                jsonschema.validate(arguments, WEATHER_PARAMETERS)
+            else:
+                assert arguments == {}
+        if tool_choice == named:
+            assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_auto_tool_choice_and_a_tool_call_round_trip(client: openai.OpenAI) -> None:
+    for stream in (False, True):
+        calls, finish = tool_calls_of(client, stream, temperature=0)
+        # SmolLM2-135M may or may not call: either way the answer must be well formed.
+        assert finish == ("tool_calls" if calls else finish) and finish in (
+            "stop",
+            "length",
+            "tool_calls",
+        )
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+    }
+    history: Any = [
+        *WEATHER_CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    for tool_choice in ("auto", "none"):
+        r = greedy_chat(client, history, tools=TOOLS, tool_choice=tool_choice)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    r = greedy_chat(client, history, tool_choice="none")  # no tools: the history still renders
+    assert r.choices[0].message.content
+
+
+def test_bad_tool_requests_are_400_naming_the_field(url: str) -> None:
+    base = {"model": SMOL, "messages": WEATHER_CHAT, "max_tokens": 4}
+    for extra, param in [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ]:
+        r = http_post(f"{url}/v1/chat/completions", {**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
