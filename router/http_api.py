@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from typing import Any, Literal
@@ -197,11 +197,7 @@ class _Sampling(BaseModel):
             log.info("accepted without effect: %s", ", ".join(given))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=(
-                self.max_tokens
-                if self.max_completion_tokens is None
-                else self.max_completion_tokens
-            ),
+            max_tokens=self.output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -229,14 +225,48 @@ class _Sampling(BaseModel):
             raise invalid("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
     @property
+    def output_tokens(self) -> int | None:
+        """max_tokens or max_completion_tokens, whichever was given."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a list of them
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt as `Router.prepare` takes it: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[assignment]
+        if not prompt:
+            raise invalid("prompt must not be an empty list", "prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+    def completion_params(self) -> SamplingParams:
+        """The sampling parameters; `max_tokens: 0` (only with echo) becomes 1 here: those
+        requests are not generated (`_echo_only`)."""
+        if self.suffix:
+            raise invalid(
+                "suffix (fill in the middle) is not supported: the served chat models have no "
+                "infilling template",
+                "suffix",
+            )
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo with logprobs needs the prompt's logprobs, not served", "echo")
+        params = self.sampling_params(self.logprobs)
+        return replace(params, max_tokens=1) if self.echo_only else params
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with no tokens to generate: the answer is the prompt."""
+        return self.echo and self.output_tokens == 0
 
 
 class _Function(BaseModel):
@@ -501,17 +531,14 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if body.echo:
-            raise invalid("echo is not supported", "echo")
-        params = body.sampling_params(body.logprobs)
-        prompt: dict[str, Any] = (
-            {"prompt": body.prompt}
-            if isinstance(body.prompt, str)
-            else {"prompt_token_ids": body.prompt}
-        )
-        prep = router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
-        render = _CompletionRender(router, prep, body.logprobs is not None, body.n)
-        return await _respond(router, metrics, render, body, request)
+        params = body.completion_params()
+        preps = [
+            router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
+            for prompt in body.prompts()
+        ]
+        render = _CompletionRender(router, preps, body.logprobs is not None, body.n, body.echo)
+        generate = _echo_only if body.echo_only else None
+        return await _respond(router, metrics, render, body, request, generate)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -528,16 +555,22 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
                 tool_use.prompt_tools if tool_use is not None else None,
             ),
         )
-        render = _ChatRender(router, prep, body.logprobs, body.n, tool_use)
+        render = _ChatRender(router, [prep], body.logprobs, body.n, tool_use)
         return await _respond(router, metrics, render, body, request)
 
 
 async def _respond(
-    router: Router, metrics: RouterMetrics, render: _Render, body: _Sampling, request: Request
+    router: Router,
+    metrics: RouterMetrics,
+    render: _Render,
+    body: _Sampling,
+    request: Request,
+    generate: Callable[[Prepared], AsyncGenerator[Delta, None]] | None = None,
 ) -> Response:
-    """Run the request's n choices (`choices.py`) and answer, whole or as a stream."""
-    preps = choice_preps(render.prep, body.n)
-    deltas = merged(lambda p: metrics.observe(router.generate(p)), preps)
+    """Run each prompt's n choices (`choices.py`; choice i*n + j is prompt i's j-th) and
+    answer, whole or as a stream."""
+    preps = [choice for prep in render.preps for choice in choice_preps(prep, body.n)]
+    deltas = merged(generate or (lambda p: metrics.observe(router.generate(p))), preps)
     if not body.stream:
         try:
             await _run_while_connected(deltas, render, request)
@@ -562,6 +595,11 @@ async def _respond(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(sse(), media_type="text/event-stream")
+
+
+async def _echo_only(prep: Prepared) -> AsyncGenerator[Delta, None]:
+    """The answer to an echo request with nothing to generate: its end, no worker involved."""
+    yield Delta([], "", [], "length", len(prep.prompt_token_ids), 0)
 
 
 async def _starting_with(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -623,21 +661,21 @@ class _Render:
     kind = ""
     prefix = "cmpl"
 
-    def __init__(self, router: Router, prep: Prepared, logprobs: bool, n: int) -> None:
+    def __init__(self, router: Router, preps: list[Prepared], logprobs: bool, n: int) -> None:
         self.tokenizer = router.tokenizer
         self.model = router.model_name
-        self.prep = prep
+        self.preps = preps  # one per prompt; prompt i's choices are i*n .. i*n + n-1
         self.logprobs = logprobs
         self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(n)]
+        self.choices = [_Choice() for _ in range(n * len(preps))]
 
     def add(self, index: int, d: Delta) -> None:
         self.choices[index].add(d)
 
     def usage(self) -> dict[str, int]:
-        """The prompt counted once, as OpenAI does, and every choice's completion."""
-        n_prompt = len(self.prep.prompt_token_ids)
+        """Each prompt counted once, as OpenAI does, and every choice's completion."""
+        n_prompt = sum(len(p.prompt_token_ids) for p in self.preps)
         completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": n_prompt,
@@ -685,6 +723,14 @@ class _CompletionRender(_Render):
     kind = "text_completion"
     prefix = "cmpl"
 
+    def __init__(
+        self, router: Router, preps: list[Prepared], logprobs: bool, n: int, echo: bool
+    ) -> None:
+        super().__init__(router, preps, logprobs, n)
+        # echo: each choice's text starts with its prompt's (token ids decoded, as vLLM does)
+        self.echoed = [self.tokenizer.decode(p.prompt_token_ids) if echo else "" for p in preps]
+        self.n = n
+
     def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
@@ -703,7 +749,7 @@ class _CompletionRender(_Render):
     def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         return {
             "index": index,
-            "text": "".join(c.text),
+            "text": self.echoed[index // self.n] + "".join(c.text),
             "logprobs": self._logprobs(c.token_logprobs),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
@@ -712,7 +758,7 @@ class _CompletionRender(_Render):
     def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
         return {
             "index": index,
-            "text": d.text,
+            "text": self.echoed[index // self.n] + d.text if first else d.text,
             "logprobs": self._logprobs(d.logprobs),
             "finish_reason": d.finish_reason,
         }
@@ -743,9 +789,14 @@ class _ChatRender(_Render):
         }
 
     def __init__(
-        self, router: Router, prep: Prepared, logprobs: bool, n: int, tool_use: ToolUse | None
+        self,
+        router: Router,
+        preps: list[Prepared],
+        logprobs: bool,
+        n: int,
+        tool_use: ToolUse | None,
     ) -> None:
-        super().__init__(router, prep, logprobs, n)
+        super().__init__(router, preps, logprobs, n)
         self.tool_use = tool_use if tool_use is not None and tool_use.parses else None
 
     def _message(self, c: _Choice) -> tuple[dict[str, Any], str | None]:

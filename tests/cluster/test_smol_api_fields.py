@@ -554,3 +554,42 @@ def test_bad_tool_requests_are_400_naming_the_field(url: str) -> None:
         r = http_post(f"{url}/v1/chat/completions", {**base, **extra})
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param, (extra, r.json())
+
+
+# -- completions: echo, lists of prompts, suffix ---------------------------------------------
+
+
+def test_echo_and_a_list_of_prompts(url: str, client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+
+    def complete(prompt: Any, **kwargs: Any) -> Any:
+        return client.completions.create(
+            model=SMOL, prompt=prompt, max_tokens=4, temperature=0, **kwargs
+        )
+
+    alone = [complete(p).choices[0].text for p in prompts]
+    both = complete(prompts, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    ids = [http_post(f"{url}/tokenize", {"prompt": p}).json()["tokens"] for p in prompts]
+    assert both.usage is not None and both.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert [c.text for c in complete(ids).choices] == alone
+
+    echoed = complete(prompts[0], echo=True).choices[0]
+    assert echoed.text == prompts[0] + alone[0]
+    streamed = complete(prompts[0], echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompts[0] + alone[0]
+    only = client.completions.create(model=SMOL, prompt=prompts, echo=True, max_tokens=0)
+    assert [c.text for c in only.choices] == prompts
+    assert only.usage is not None and only.usage.completion_tokens == 0
+
+    base = {"model": SMOL, "prompt": prompts[0], "max_tokens": 2}
+    for extra, param in [
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"suffix": " and that is all."}, "suffix"),
+        ({"prompt": []}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),  # without echo
+    ]:
+        r = http_post(f"{url}/v1/completions", {**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
