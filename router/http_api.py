@@ -32,7 +32,7 @@ from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
-from router.tools import ToolUse
+from router.tools import ToolUse, streamable_prefix
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
@@ -644,6 +644,8 @@ class _Choice:
     stop_reason: int | str | None = None
     completion_tokens: int = 0
     started: bool = False  # a stream chunk has been sent for it
+    streamed: int = 0  # with tools: the characters of the text sent so far
+    streamed_logprobs: int = 0  # with tools: the logprobs sent so far
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -824,7 +826,7 @@ class _ChatRender(_Render):
 
     def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
         if self.tool_use is not None:
-            return self._tool_chunk_choice(index, d)
+            return self._tool_chunk_choice(index, d, first)
         delta: dict[str, Any] = {"content": d.text}
         if first:
             delta["role"] = "assistant"
@@ -835,19 +837,38 @@ class _ChatRender(_Render):
             "finish_reason": d.finish_reason,
         }
 
-    def _tool_chunk_choice(self, index: int, d: Delta) -> dict[str, Any] | None:
-        """With tools, a choice's answer is held back to its end, then sent as one delta: its
-        content and its tool calls (each with its `index`, id, name and whole arguments)."""
-        if d.finish_reason is None:
-            return None
+    def _tool_chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
+        """With tools, the text an `auto` answer has before any `<tool_call>` streams as content;
+        what may be a call is held back to the answer's end (all of a `required` or named one),
+        then sent as one delta: the content left and the whole tool calls, each with its
+        `index`. Logprobs come with the chunk that sends their text, the rest with the last."""
         c = self.choices[index]
-        message, finish_reason = self._message(c)
-        delta = {"role": "assistant", "content": message["content"]}
-        if "tool_calls" in message:
-            delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(message["tool_calls"])]
+        text = "".join(c.text)
+        assert self.tool_use is not None
+        auto = self.tool_use.choice == "auto"
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        finish_reason = None
+        if d.finish_reason is None:
+            end = streamable_prefix(text) if auto else 0
+            if end <= c.streamed:
+                return None
+            delta["content"] = text[c.streamed : end]
+            c.streamed = end
+        else:
+            message, finish_reason = self._message(c)
+            calls = message.get("tool_calls", [])
+            end = len(text)  # no calls: the text is the content
+            if calls:
+                end = streamable_prefix(text) if auto else 0
+            if end > c.streamed:
+                delta["content"] = text[c.streamed : end]
+            if calls:
+                delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(calls)]
+        logprobs = c.token_logprobs[c.streamed_logprobs :]
+        c.streamed_logprobs = len(c.token_logprobs)
         return {
             "index": index,
             "delta": delta,
-            "logprobs": self._logprobs(c.token_logprobs),
+            "logprobs": self._logprobs(logprobs),
             "finish_reason": finish_reason,
         }

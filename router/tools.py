@@ -27,6 +27,7 @@ from typing import Any
 from router.errors import invalid
 from tandem.structured import StructuredOutput
 
+_TAG = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -133,7 +134,7 @@ def parse_hermes(text: str, parallel: bool = True) -> tuple[str | None, list[Too
     """Hermes-style calls: the text before the first `<tool_call>` is the content; each block
     holds `{"name", "arguments"}` (a last block may lack its closing tag, as when the model
     stops there). Any block that does not read: no calls, the whole text is the content."""
-    start = text.find("<tool_call>")
+    start = text.find(_TAG)
     if start < 0:
         return text, []
     calls = []
@@ -148,6 +149,18 @@ def parse_hermes(text: str, parallel: bool = True) -> tuple[str | None, list[Too
         calls.append(ToolCall(name, json.dumps(arguments)))
     content = text[:start].strip() or None
     return content, calls if parallel else calls[:1]
+
+
+def streamable_prefix(text: str) -> int:
+    """How much of an `auto` answer can stream as content now: the text before a `<tool_call>`,
+    or before an end that may begin one."""
+    start = text.find(_TAG)
+    if start >= 0:
+        return start
+    for k in range(min(len(_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(_TAG[:k]):
+            return len(text) - k
+    return len(text)
 
 
 def hermes_messages(

@@ -477,19 +477,20 @@ def test_developer_is_system_and_a_final_message_can_be_continued(
     assert r.status_code == 400 and "final assistant message" in r.text
 
 
-def tool_calls_of(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[Any, str]:
-    """The tool calls (as dicts) and finish reason of one answer, streamed or not."""
+def tool_calls_of(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[Any, str, str]:
+    """The tool calls (as dicts), finish reason and content of one answer, streamed or not."""
     args = {"model": SMOL, "messages": WEATHER_CHAT, "tools": TOOLS, "max_tokens": 60, **kwargs}
     if not stream:
         choice = client.chat.completions.create(**args).choices[0]
         calls = [c.model_dump() for c in choice.message.tool_calls or []]
-        return calls, choice.finish_reason
-    calls, finish = [], ""
+        return calls, choice.finish_reason, choice.message.content or ""
+    calls, finish, content = [], "", ""
     for chunk in client.chat.completions.create(**args, stream=True):
         for c in chunk.choices:
             calls += [t.model_dump(exclude={"index"}) for t in c.delta.tool_calls or []]
             finish = c.finish_reason or finish
-    return calls, finish
+            content += c.delta.content or ""
+    return calls, finish, content
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
@@ -498,7 +499,7 @@ def test_required_and_named_tool_choices_give_arguments_that_validate(
 ) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     for tool_choice in ("required", named):
-        calls, finish = tool_calls_of(client, stream, tool_choice=tool_choice, temperature=1.0)
+        calls, finish, _ = tool_calls_of(client, stream, tool_choice=tool_choice, temperature=1.0)
         assert finish == "tool_calls" and calls, (tool_choice, calls)
         for c in calls:
             assert c["type"] == "function" and c["id"].startswith("call_")
@@ -513,14 +514,24 @@ def test_required_and_named_tool_choices_give_arguments_that_validate(
 
 
 def test_auto_tool_choice_and_a_tool_call_round_trip(client: openai.OpenAI) -> None:
+    # SmolLM2-135M may or may not call: either way the answer is well formed, and the stream
+    # (content before any call streams, the calls come at the end) says what the whole answer
+    # says.
+    whole = tool_calls_of(client, False, temperature=0)
+    streamed = tool_calls_of(client, True, temperature=0)
+    assert whole[1] in (("tool_calls",) if whole[0] else ("stop", "length"))
+    assert [c["function"] for c in streamed[0]] == [c["function"] for c in whole[0]]
+    assert streamed[1] == whole[1] and streamed[2].strip() == whole[2].strip()
+    # A regex makes the model write a Hermes call with text before it: the auto parser reads it.
+    regex = r'Checking\.\n<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
     for stream in (False, True):
-        calls, finish = tool_calls_of(client, stream, temperature=0)
-        # SmolLM2-135M may or may not call: either way the answer must be well formed.
-        assert finish == ("tool_calls" if calls else finish) and finish in (
-            "stop",
-            "length",
-            "tool_calls",
+        calls, finish, content = tool_calls_of(
+            client, stream, temperature=0, extra_body={"guided_regex": regex}
         )
+        assert finish == "tool_calls" and content.strip() == "Checking.", (stream, content)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_time", "{}")
+        ]
     call = {
         "id": "call_1",
         "type": "function",

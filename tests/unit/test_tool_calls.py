@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from router.errors import RouterError
-from router.tools import ToolCall, ToolUse, hermes_messages, parse_hermes
+from router.tools import ToolCall, ToolUse, hermes_messages, parse_hermes, streamable_prefix
 from tandem.tokenizer import load_tokenizer
 
 WEATHER = {
@@ -163,3 +163,18 @@ def test_continue_final_message_on_smollm2(smollm2_path: Path) -> None:
     assert text.endswith("<|im_start|>assistant\n1, 2,")
     closed = tokenizer.apply_chat_template(chat, False)
     assert closed.startswith(text) and closed.endswith("<|im_end|>\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "end"),
+    [
+        ("Hello", 5),
+        ("Hello <tool", 6),  # may begin a call: held back
+        ("Hello <", 6),
+        ("a < b", 5),  # cannot begin one any more
+        ('Hi <tool_call>{"name"', 3),
+        ("", 0),
+    ],
+)
+def test_what_an_auto_answer_streams_as_content(text: str, end: int) -> None:
+    assert streamable_prefix(text) == end
