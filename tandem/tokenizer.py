@@ -111,8 +111,12 @@ class Tokenizer:
         final = messages[-1].get("content") if messages else None
         if not isinstance(final, str) or final.strip() not in text:
             raise ValueError("the final message's content is not in the rendered conversation")
-        final = final.strip()  # templates may trim it
-        return text[: text.rindex(final) + len(final)]
+        start = text.rindex(final.strip())
+        # Keep the content's trailing spaces where the template kept them (it may trim them).
+        kept = (
+            len(final.lstrip()) if text[start:].startswith(final.lstrip()) else len(final.strip())
+        )
+        return text[: start + kept]
 
     @property
     def renders_tools(self) -> bool:
