@@ -132,9 +132,11 @@ class Route:
             asyncio.ensure_future(abort.wait()): "abort",
             asyncio.ensure_future(self.go_local.wait()): "local",
         }
-        done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
+        try:
+            done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the request's task is cancelled (a client that left, n choices)
+            for w in waits:
+                w.cancel()
         if self._read in done:
             read, self._read = self._read, None
             return read.result()
