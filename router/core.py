@@ -47,6 +47,7 @@ from router.errors import ErrorKind, RouterError, invalid
 from router.inflight import Lease, pick
 from router.policies import PickContext, make_policy
 from router.relay import Delta, Relay
+from router.tools import hermes_messages
 from tandem import hub
 from tandem.config import RouterConfig
 from tandem.messages import sampling_to_proto
@@ -63,6 +64,8 @@ LOCAL_PREFILL_SUFFIX = "/local"  # the worker-side id of a request D prefills it
 MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this often
 MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHOICE_SUFFIX = "/c"  # + the index: the id of one of a request's n choices (router/choices.py)
 DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
 
 
@@ -77,10 +80,13 @@ class DecodeLost(Exception):
 @dataclass(frozen=True)
 class ChatTemplateOptions:
     """How chat messages are rendered: the generation prompt after them (off: the model
-    continues the conversation as it stands), and variables for the template itself."""
+    continues the conversation as it stands), the final assistant message continued rather than
+    closed, the tools offered (`tools.py`), and variables for the template itself."""
 
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -126,9 +132,11 @@ class Route:
             asyncio.ensure_future(abort.wait()): "abort",
             asyncio.ensure_future(self.go_local.wait()): "local",
         }
-        done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
-        for w in waits:
-            w.cancel()
+        try:
+            done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when the request's task is cancelled (a client that left, n choices)
+            for w in waits:
+                w.cancel()
         if self._read in done:
             read, self._read = self._read, None
             return read.result()
@@ -297,18 +305,30 @@ class Router:
         if not messages:
             raise invalid("messages must not be empty", "messages")
         for i, m in enumerate(messages):
-            if not isinstance(m.get("content"), str) or m.get("role") not in (
-                "system",
-                "user",
-                "assistant",
-            ):
+            if not isinstance(m.get("content"), str) or m.get("role") not in CHAT_ROLES:
                 raise invalid(
-                    f"messages[{i}] needs a role (system, user, assistant) and string content",
+                    f"messages[{i}] needs a role ({', '.join(CHAT_ROLES)}) and string content",
                     "messages",
                 )
+        if options.continue_final_message and options.add_generation_prompt:
+            raise invalid(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                "continue_final_message",
+            )
+        if options.continue_final_message and messages[-1]["role"] != "assistant":
+            raise invalid("continue_final_message needs a final assistant message", "messages")
+        # vLLM's reading of OpenAI's `developer` role: the system prompt.
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        tools = options.tools
+        if not self.tokenizer.renders_tools:
+            messages, tools = hermes_messages(messages, tools), None
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, options.add_generation_prompt, **options.template_kwargs
+                messages,
+                options.add_generation_prompt,
+                tools=tools,
+                continue_final_message=options.continue_final_message,
+                **options.template_kwargs,
             )
         except ValueError as e:  # e.g. a model without a chat template
             raise invalid(f"messages cannot be rendered for this model: {e}", "messages") from None
@@ -317,11 +337,14 @@ class Router:
     # -- generate -----------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> bool:
-        """Abort a request this replica holds; whether it holds it."""
-        event = self._aborts.get(request_id)
-        if event is not None:
+        """Abort a request this replica holds (all its choices); whether it holds it."""
+        choice = f"{request_id}{CHOICE_SUFFIX}"
+        events = [
+            e for rid, e in self._aborts.items() if rid == request_id or rid.startswith(choice)
+        ]
+        for event in events:
             event.set()
-        return event is not None
+        return bool(events)
 
     async def abort_anywhere(self, request_id: str) -> bool:
         """Abort the request on whichever router replica holds it: True when this one does,

@@ -4,6 +4,7 @@ token are checked before a servicer runs (`auth.py`); health follows readiness (
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -13,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.auth import BearerInterceptor, Credentials
+from router.choices import MAX_N, choice_preps, merged
 from router.core import Router
 from router.errors import RouterError, invalid
 from router.readiness import ReadinessHealth
@@ -33,9 +35,10 @@ def _prepare_args(request: api_pb2.GenerateRequest) -> dict[str, Any]:
     raise invalid("one of prompt, prompt_token_ids or chat is required", "input")
 
 
-def delta_to_proto(request_id: str, d: Delta) -> api_pb2.GenerateResponse:
+def delta_to_proto(request_id: str, d: Delta, index: int = 0) -> api_pb2.GenerateResponse:
     msg = api_pb2.GenerateResponse(
         request_id=request_id,
+        index=index,
         token_ids=d.token_ids,
         text=d.text,
         logprobs=[logprobs_to_proto(lp) for lp in d.logprobs],
@@ -86,8 +89,13 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 speculative=request.speculative if request.HasField("speculative") else None,
                 **_prepare_args(request),
             )
-            async for delta in self.metrics.observe(self.router.generate(prep)):
-                yield delta_to_proto(prep.request_id, delta)
+            if request.n > MAX_N:
+                raise invalid(f"n must be at most {MAX_N}, got {request.n}", "n")
+            preps = choice_preps(prep, max(request.n, 1))
+            observed = merged(lambda p: self.metrics.observe(self.router.generate(p)), preps)
+            async with contextlib.aclosing(observed) as deltas:
+                async for index, delta in deltas:
+                    yield delta_to_proto(prep.request_id, delta, index)
         except RouterError as e:
             await _abort_with(context, e)
 

@@ -15,7 +15,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 from importlib.metadata import version
 from typing import Any, Literal
 
@@ -26,10 +27,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.auth import BearerMiddleware, Credentials
+from router.choices import MAX_N, choice_preps, merged
 from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
+from router.tools import ToolUse, streamable_prefix
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
@@ -185,8 +188,8 @@ class _Sampling(BaseModel):
         return StructuredOutput.json_schema(form.schema_, name)
 
     def sampling_params(self, logprobs: int | None) -> SamplingParams:
-        if self.n != 1:
-            raise invalid(f"n must be 1, got {self.n}", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
         given = [name for name in NO_OP_FIELDS if getattr(self, name) is not None]
@@ -194,11 +197,7 @@ class _Sampling(BaseModel):
             log.info("accepted without effect: %s", ", ".join(given))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
-            max_tokens=(
-                self.max_tokens
-                if self.max_completion_tokens is None
-                else self.max_completion_tokens
-            ),
+            max_tokens=self.output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -226,26 +225,79 @@ class _Sampling(BaseModel):
             raise invalid("logit_bias keys must be token ids (integers)", "logit_bias") from None
 
     @property
+    def output_tokens(self) -> int | None:
+        """max_tokens or max_completion_tokens, whichever was given."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # one prompt, or a list of them
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[dict[str, Any]]:
+        """Each prompt as `Router.prepare` takes it: text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]  # type: ignore[assignment]
+        if not prompt:
+            raise invalid("prompt must not be an empty list", "prompt")
+        return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
+
+    def completion_params(self) -> SamplingParams:
+        """The sampling parameters; `max_tokens: 0` (only with echo) becomes 1 here: those
+        requests are not generated (`_echo_only`)."""
+        if self.suffix:
+            raise invalid(
+                "suffix (fill in the middle) is not supported: the served chat models have no "
+                "infilling template",
+                "suffix",
+            )
+        if self.echo and self.logprobs is not None:
+            raise invalid("echo with logprobs needs the prompt's logprobs, not served", "echo")
+        params = self.sampling_params(self.logprobs)
+        return replace(params, max_tokens=1) if self.echo_only else params
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with no tokens to generate: the answer is the prompt."""
+        return self.echo and self.output_tokens == 0
+
+
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class _ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: _Function
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str | list[dict[str, Any]]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None  # None: an assistant's tool calls only
     name: str | None = None  # a participant's name: accepted, not shown to the model
+    tool_calls: list[_ToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self, index: int) -> str:
         """The content as text: a string, or text parts joined by newlines (as vLLM does);
         any other part is a 400 naming it."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         texts = []
@@ -260,21 +312,76 @@ class ChatMessage(BaseModel):
             texts.append(part["text"])
         return "\n".join(texts)
 
+    def template_message(self, index: int) -> dict[str, Any]:
+        """The message as a chat template reads it: role and text content, an assistant's
+        tool calls with their arguments as objects (as vLLM passes them), a tool message's
+        call id. A message of the wrong shape is a 400 naming `messages`."""
+        where = f"messages[{index}]"
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise invalid(f"{where} needs content", "messages")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise invalid(f"{where}: only assistant messages have tool_calls", "messages")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise invalid(f"{where}: tool messages, and only they, have tool_call_id", "messages")
+        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c, where)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(call: _ToolCall, where: str) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        message = f"{where}: tool call {call.id} has arguments that are not JSON"
+        raise invalid(message, "messages") from None
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
-    def rendered_messages(self) -> list[dict[str, str]]:
+    def rendered_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
+    def tool_use(self) -> ToolUse | None:
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template reads them: role and text content."""
-    return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(messages)]
+    def chat_sampling_params(self, tool_use: ToolUse | None) -> SamplingParams:
+        """The sampling parameters, with the constraint that the tool choice puts on the output."""
+        n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        params = self.sampling_params(n_logprobs)
+        constraint = tool_use.structured_output() if tool_use is not None else None
+        if constraint is None:
+            return params
+        if params.structured_output is not None:
+            raise invalid(
+                f"tool_choice {tool_use.choice if tool_use else ''} constrains the output; "
+                f"it cannot be combined with {params.structured_output.source}",
+                "tool_choice",
+            )
+        return replace(params, structured_output=constraint)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them."""
+    return [m.template_message(i) for i, m in enumerate(messages)]
 
 
 def error_body(e: RouterError) -> dict[str, Any]:
@@ -424,50 +531,47 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        if body.echo:
-            raise invalid("echo is not supported", "echo")
-        params = body.sampling_params(body.logprobs)
-        prompt: dict[str, Any] = (
-            {"prompt": body.prompt}
-            if isinstance(body.prompt, str)
-            else {"prompt_token_ids": body.prompt}
-        )
-        prep = router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
-        render = _CompletionRender(router, prep, body.logprobs is not None)
-        return await _respond(
-            router, metrics, prep, render, body.stream, body.include_usage, request
-        )
+        params = body.completion_params()
+        preps = [
+            router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
+            for prompt in body.prompts()
+        ]
+        render = _CompletionRender(router, preps, body.logprobs is not None, body.n, body.echo)
+        generate = _echo_only if body.echo_only else None
+        return await _respond(router, metrics, render, body, request, generate)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        n_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(n_logprobs)
+        tool_use = body.tool_use()
         prep = router.prepare(
-            params,
+            body.chat_sampling_params(tool_use),
             model=body.model,
             messages=body.rendered_messages(),
             timeout_s=body.timeout,
             chat_template=ChatTemplateOptions(
-                body.add_generation_prompt, body.chat_template_kwargs or {}
+                body.add_generation_prompt,
+                body.chat_template_kwargs or {},
+                body.continue_final_message,
+                tool_use.prompt_tools if tool_use is not None else None,
             ),
         )
-        render = _ChatRender(router, prep, body.logprobs)
-        return await _respond(
-            router, metrics, prep, render, body.stream, body.include_usage, request
-        )
+        render = _ChatRender(router, [prep], body.logprobs, body.n, tool_use)
+        return await _respond(router, metrics, render, body, request)
 
 
 async def _respond(
     router: Router,
     metrics: RouterMetrics,
-    prep: Prepared,
     render: _Render,
-    stream: bool,
-    include_usage: bool,
+    body: _Sampling,
     request: Request,
+    generate: Callable[[Prepared], AsyncGenerator[Delta, None]] | None = None,
 ) -> Response:
-    deltas = metrics.observe(router.generate(prep))
-    if not stream:
+    """Run each prompt's n choices (`choices.py`; choice i*n + j is prompt i's j-th) and
+    answer, whole or as a stream."""
+    preps = [choice for prep in render.preps for choice in choice_preps(prep, body.n)]
+    deltas = merged(generate or (lambda p: metrics.observe(router.generate(p))), preps)
+    if not body.stream:
         try:
             await _run_while_connected(deltas, render, request)
         finally:
@@ -479,10 +583,10 @@ async def _respond(
 
     async def sse() -> AsyncIterator[str]:
         try:
-            yield _event(render.chunk(first, first=True))
-            async for d in deltas:
-                yield _event(render.chunk(d))
-            if include_usage:
+            async for index, d in _starting_with(first, deltas):
+                if (chunk := render.chunk(index, d)) is not None:
+                    yield _event(chunk)
+            if body.include_usage:
                 yield _event(render.usage_chunk())
         except RouterError as e:  # after the 200: report in the stream, as OpenAI does
             yield _event(error_body(e))
@@ -493,15 +597,26 @@ async def _respond(
     return StreamingResponse(sse(), media_type="text/event-stream")
 
 
+async def _echo_only(prep: Prepared) -> AsyncGenerator[Delta, None]:
+    """The answer to an echo request with nothing to generate: its end, no worker involved."""
+    yield Delta([], "", [], "length", len(prep.prompt_token_ids), 0)
+
+
+async def _starting_with(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    yield first
+    async for item in rest:
+        yield item
+
+
 async def _run_while_connected(
-    deltas: AsyncIterator[Delta], render: _Render, request: Request
+    deltas: AsyncIterator[tuple[int, Delta]], render: _Render, request: Request
 ) -> None:
     """Collect the whole answer; a client that disconnects first ends the request (on every
     worker, through the generator's close), as closing a stream does."""
 
     async def collect() -> None:
-        async for d in deltas:
-            render.add(d)
+        async for index, d in deltas:
+            render.add(index, d)
 
     task = asyncio.create_task(collect())
     try:
@@ -519,25 +634,18 @@ def _event(payload: dict[str, Any]) -> str:
     return "data: " + json.dumps(payload) + "\n\n"
 
 
-class _Render:
-    """Accumulates deltas into an OpenAI response, or turns each into a stream chunk."""
+@dataclass
+class _Choice:
+    """One choice's answer so far."""
 
-    kind = ""
-
-    def __init__(self, router: Router, prep: Prepared, logprobs: bool) -> None:
-        self.tokenizer = router.tokenizer
-        self.model = router.model_name
-        self.prep = prep
-        self.logprobs = logprobs
-        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.text: list[str] = []
-        self.token_logprobs: list[TokenLogprobs] = []
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self.completion_tokens = 0
-
-    prefix = "cmpl"
+    text: list[str] = field(default_factory=list)
+    token_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    completion_tokens: int = 0
+    started: bool = False  # a stream chunk has been sent for it
+    streamed: int = 0  # with tools: the characters of the text sent so far
+    streamed_logprobs: int = 0  # with tools: the logprobs sent so far
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
@@ -547,12 +655,34 @@ class _Render:
             self.stop_reason = d.stop_reason
             self.completion_tokens = d.completion_tokens
 
+
+class _Render:
+    """Accumulates each choice's deltas into an OpenAI response, or turns each into a stream
+    chunk that names its choice index."""
+
+    kind = ""
+    prefix = "cmpl"
+
+    def __init__(self, router: Router, preps: list[Prepared], logprobs: bool, n: int) -> None:
+        self.tokenizer = router.tokenizer
+        self.model = router.model_name
+        self.preps = preps  # one per prompt; prompt i's choices are i*n .. i*n + n-1
+        self.logprobs = logprobs
+        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(n * len(preps))]
+
+    def add(self, index: int, d: Delta) -> None:
+        self.choices[index].add(d)
+
     def usage(self) -> dict[str, int]:
-        n_prompt = len(self.prep.prompt_token_ids)
+        """Each prompt counted once, as OpenAI does, and every choice's completion."""
+        n_prompt = sum(len(p.prompt_token_ids) for p in self.preps)
+        completion = sum(c.completion_tokens for c in self.choices)
         return {
             "prompt_tokens": n_prompt,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": n_prompt + self.completion_tokens,
+            "completion_tokens": completion,
+            "total_tokens": n_prompt + completion,
         }
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -571,15 +701,37 @@ class _Render:
         return str(self.tokenizer.decode([token_id]))
 
     def full(self) -> dict[str, Any]:
+        choices = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
+        return {**self.envelope(self.kind, choices), "usage": self.usage()}
+
+    def chunk(self, index: int, d: Delta) -> dict[str, Any] | None:
+        """The stream chunk of choice `index`'s delta; None while the delta is held back."""
+        choice = self.choices[index]
+        choice.add(d)
+        body = self.chunk_choice(index, d, not choice.started)
+        if body is None:
+            return None
+        choice.started = True
+        return self.envelope(f"{self.kind}.chunk", [body])
+
+    def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         raise NotImplementedError
 
-    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
         raise NotImplementedError
 
 
 class _CompletionRender(_Render):
     kind = "text_completion"
     prefix = "cmpl"
+
+    def __init__(
+        self, router: Router, preps: list[Prepared], logprobs: bool, n: int, echo: bool
+    ) -> None:
+        super().__init__(router, preps, logprobs, n)
+        # echo: each choice's text starts with its prompt's (token ids decoded, as vLLM does)
+        self.echoed = [self.tokenizer.decode(p.prompt_token_ids) if echo else "" for p in preps]
+        self.n = n
 
     def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -596,25 +748,22 @@ class _CompletionRender(_Render):
             ],
         }
 
-    def full(self) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "text": "".join(self.text),
-            "logprobs": self._logprobs(self.token_logprobs),
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
+    def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": self.echoed[index // self.n] + "".join(c.text),
+            "logprobs": self._logprobs(c.token_logprobs),
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
         }
-        return {**self.envelope("text_completion", [choice]), "usage": self.usage()}
 
-    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
-        self.add(d)
-        choice = {
-            "index": 0,
-            "text": d.text,
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
+        return {
+            "index": index,
+            "text": self.echoed[index // self.n] + d.text if first else d.text,
             "logprobs": self._logprobs(d.logprobs),
             "finish_reason": d.finish_reason,
         }
-        return self.envelope("text_completion", [choice])
 
 
 class _ChatRender(_Render):
@@ -641,25 +790,85 @@ class _ChatRender(_Render):
             ]
         }
 
-    def full(self) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": "".join(self.text)},
-            "logprobs": self._logprobs(self.token_logprobs),
-            "finish_reason": self.finish_reason,
-            "stop_reason": self.stop_reason,
-        }
-        return {**self.envelope("chat.completion", [choice]), "usage": self.usage()}
+    def __init__(
+        self,
+        router: Router,
+        preps: list[Prepared],
+        logprobs: bool,
+        n: int,
+        tool_use: ToolUse | None,
+    ) -> None:
+        super().__init__(router, preps, logprobs, n)
+        self.tool_use = tool_use if tool_use is not None and tool_use.parses else None
 
-    def chunk(self, d: Delta, first: bool = False) -> dict[str, Any]:
-        self.add(d)
+    def _message(self, c: _Choice) -> tuple[dict[str, Any], str | None]:
+        """The choice's message, its tool calls read from the text when tools may be called,
+        and its finish reason (`tool_calls` when it ended with calls)."""
+        text = "".join(c.text)
+        if self.tool_use is None:
+            return {"role": "assistant", "content": text}, c.finish_reason
+        content, calls = self.tool_use.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if not calls:
+            return message, c.finish_reason
+        message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
+    def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        message, finish_reason = self._message(c)
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self._logprobs(c.token_logprobs),
+            "finish_reason": finish_reason,
+            "stop_reason": c.stop_reason,
+        }
+
+    def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
+        if self.tool_use is not None:
+            return self._tool_chunk_choice(index, d, first)
         delta: dict[str, Any] = {"content": d.text}
         if first:
             delta["role"] = "assistant"
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "delta": delta,
             "logprobs": self._logprobs(d.logprobs),
             "finish_reason": d.finish_reason,
         }
-        return self.envelope("chat.completion.chunk", [choice])
+
+    def _tool_chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
+        """With tools, the text an `auto` answer has before any `<tool_call>` streams as content;
+        what may be a call is held back to the answer's end (all of a `required` or named one),
+        then sent as one delta: the content left and the whole tool calls, each with its
+        `index`. Logprobs come with the chunk that sends their text, the rest with the last."""
+        c = self.choices[index]
+        text = "".join(c.text)
+        assert self.tool_use is not None
+        auto = self.tool_use.choice == "auto"
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        finish_reason = None
+        if d.finish_reason is None:
+            end = streamable_prefix(text) if auto else 0
+            if end <= c.streamed:
+                return None
+            delta["content"] = text[c.streamed : end]
+            c.streamed = end
+        else:
+            message, finish_reason = self._message(c)
+            calls = message.get("tool_calls", [])
+            end = len(text)  # no calls: the text is the content
+            if calls:
+                end = streamable_prefix(text) if auto else 0
+            if end > c.streamed:
+                delta["content"] = text[c.streamed : end]
+            if calls:
+                delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(calls)]
+        logprobs = c.token_logprobs[c.streamed_logprobs :]
+        c.streamed_logprobs = len(c.token_logprobs)
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }

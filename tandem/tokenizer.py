@@ -79,26 +79,50 @@ class Tokenizer:
         self,
         messages: Sequence[dict[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str:
-        """The conversation as the model was trained to read it; `template_kwargs` are further
-        variables of the template. ValueError if it has no chat template or the template
-        rejects the messages."""
+        """The conversation as the model was trained to read it; `tools` (function definitions,
+        as transformers passes them) and `template_kwargs` are further variables of the
+        template. `continue_final_message`: the text ends with the last message's content, which
+        the model continues (its end-of-turn cut, as transformers does). ValueError if there is
+        no chat template or it rejects the messages."""
         if self.chat_template is None:
             raise ValueError("the tokenizer has no chat template")
         if self._template is None:
             self._template = _environment().from_string(self.chat_template)
+        variables = {**self.special_tokens, **template_kwargs}
+        if tools is not None:
+            variables["tools"] = list(tools)
         try:
-            return self._template.render(
+            text = self._template.render(
                 {
-                    **self.special_tokens,
-                    **template_kwargs,
+                    **variables,
                     "messages": list(messages),
                     "add_generation_prompt": add_generation_prompt,
                 }
             )
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: e.g. None + str
             raise ValueError(str(e)) from None
+        if not continue_final_message:
+            return text
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str) or final.strip() not in text:
+            raise ValueError("the final message's content is not in the rendered conversation")
+        start = text.rindex(final.strip())
+        # Keep the content's trailing spaces where the template kept them (it may trim them).
+        kept = (
+            len(final.lstrip()) if text[start:].startswith(final.lstrip()) else len(final.strip())
+        )
+        return text[: start + kept]
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template itself renders tool definitions and tool calls."""
+        template = self.chat_template or ""
+        return "tools" in template and "tool_calls" in template
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

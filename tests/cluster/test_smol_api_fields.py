@@ -23,9 +23,11 @@ import jsonschema
 import openai
 import pytest
 from cluster_helpers import (
+    generate_request,
     grpc_error,
     grpc_generate,
     http_post,
+    sse_events,
     wait_router_idle,
     wait_workers_idle,
     workers,
@@ -40,7 +42,8 @@ from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.structured import StructuredOutput
-from tandem.v1 import api_pb2
+from tandem.tokenizer import load_tokenizer
+from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -93,7 +96,7 @@ def test_every_openai_field_works_is_a_no_op_or_is_rejected_by_name(
 ) -> None:
     served = set(model.model_fields) - set(NO_OP_FIELDS)
     rejected = sorted(fields - served - set(NO_OP_FIELDS))
-    assert "tools" in rejected or path == "/v1/completions"
+    assert "functions" in rejected or path == "/v1/completions"
     for name in rejected:
         r = http_post(f"{url}{path}", {**base, name: {"any": "value"}})
         assert r.status_code == 400, (name, r.text)
@@ -173,6 +176,7 @@ def test_a_non_streaming_client_that_leaves_frees_its_blocks(smol: LocalCluster,
     every_worker = workers(smol)
     wait_workers_idle(every_worker, 5.0)
     body = {"model": SMOL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    body["n"] = 2  # every choice ends
     with pytest.raises(httpx.ReadTimeout):  # the client gives up while the request runs
         httpx.post(f"{url}/v1/completions", json=body, timeout=2.0)
     wait_workers_idle(every_worker, 10.0)
@@ -353,3 +357,250 @@ def test_logit_bias_steers_the_output_and_bad_biases_are_400(
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == "logit_bias" and message in error["message"], error
+
+
+# -- n choices -------------------------------------------------------------------------------
+
+
+def test_n_choices_are_indexed_seeded_and_count_the_prompt_once(
+    smol: LocalCluster, client: openai.OpenAI
+) -> None:
+    def ask(n: int) -> Any:
+        return client.chat.completions.create(
+            model=SMOL,
+            messages=CHAT,
+            n=n,
+            max_tokens=6,
+            temperature=1.0,
+            seed=7,
+            extra_body={"ignore_eos": True},
+        )
+
+    one, three = ask(1), ask(3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.message.content for c in three.choices}) > 1  # choice i draws with seed + i
+    assert three.usage is not None and one.usage is not None
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * 6
+    wait_workers_idle(workers(smol), 10.0)
+
+
+def grpc_choices(target: str, n: int, **sampling: Any) -> dict[int, list[int]]:
+    """Each choice's tokens from one Generate call with `n` choices."""
+    request = generate_request("Once upon a time", **sampling)
+    request.n = n
+    request.speculative = False  # seeded draws differ under speculation (docs/engine.md)
+    tokens: dict[int, list[int]] = {}
+    with grpc.insecure_channel(target) as channel:
+        for msg in api_pb2_grpc.TandemStub(channel).Generate(request, timeout=60):
+            tokens.setdefault(msg.index, []).extend(msg.token_ids)
+            if msg.finish_reason:
+                assert msg.usage.completion_tokens == len(tokens[msg.index])
+    return tokens
+
+
+def test_seeded_choices_are_reproducible_over_grpc(smol: LocalCluster) -> None:
+    target = smol.address.grpc_target
+    sampling = {"max_tokens": 4, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    three = grpc_choices(target, 3, **sampling)
+    assert sorted(three) == [0, 1, 2] and all(len(t) == 4 for t in three.values())
+    assert three == grpc_choices(target, 3, **sampling)
+    assert three[0] == grpc_choices(target, 1, **sampling)[0]  # choice 0 keeps the seed
+
+
+def test_n_choices_stream_with_their_index(url: str) -> None:
+    body = {"model": SMOL, "prompt": "Once upon a time", "n": 2, "max_tokens": 4}
+    body |= {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        events = list(sse_events(r.iter_lines()))
+    chunks = [e for e in events if e["choices"]]
+    finished = sorted(c["index"] for e in chunks for c in e["choices"] if c["finish_reason"])
+    assert finished == [0, 1]
+    assert {len(e["choices"]) for e in chunks} == {1}
+    assert events[-1]["usage"]["completion_tokens"] == 8
+    for n in (0, 129):
+        r = http_post(f"{url}/v1/completions", {**body, "stream": False, "n": n})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+# -- roles, continue_final_message, tools ----------------------------------------------------
+
+WEATHER_PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "London", "Tokyo"]}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": WEATHER_PARAMETERS,
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now"}},
+]
+WEATHER_CHAT: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def greedy_chat(client: openai.OpenAI, messages: Any, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=SMOL, messages=messages, max_tokens=8, temperature=0, **kwargs
+    )
+
+
+def test_developer_is_system_and_a_final_message_can_be_continued(
+    url: str, client: openai.OpenAI, smollm2_path: Any
+) -> None:
+    system = [{"role": "system", "content": "Answer in French."}, *CHAT]
+    developer = [{"role": "developer", "content": "Answer in French."}, *CHAT]
+    assert (
+        greedy_chat(client, developer).choices[0].message.content
+        == greedy_chat(client, system).choices[0].message.content
+    )
+    started: Any = [*CHAT, {"role": "assistant", "content": "Red, green and"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    r = greedy_chat(client, started, extra_body=extra)
+    prompt = load_tokenizer(smollm2_path).apply_chat_template(
+        started, False, continue_final_message=True
+    )
+    assert prompt.endswith("Red, green and")  # no end of turn, no new assistant turn
+    raw = client.completions.create(model=SMOL, prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == raw.choices[0].text
+    body = {"model": SMOL, "messages": started, "continue_final_message": True}
+    r = http_post(f"{url}/v1/chat/completions", body)  # add_generation_prompt defaults to true
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    body = {**body, "messages": CHAT, "add_generation_prompt": False}
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.status_code == 400 and "final assistant message" in r.text
+
+
+def tool_calls_of(client: openai.OpenAI, stream: bool, **kwargs: Any) -> tuple[Any, str, str]:
+    """The tool calls (as dicts), finish reason and content of one answer, streamed or not."""
+    args = {"model": SMOL, "messages": WEATHER_CHAT, "tools": TOOLS, "max_tokens": 60, **kwargs}
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        calls = [c.model_dump() for c in choice.message.tool_calls or []]
+        return calls, choice.finish_reason, choice.message.content or ""
+    calls, finish, content = [], "", ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for c in chunk.choices:
+            calls += [t.model_dump(exclude={"index"}) for t in c.delta.tool_calls or []]
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+    return calls, finish, content
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required_and_named_tool_choices_give_arguments_that_validate(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in ("required", named):
+        calls, finish, _ = tool_calls_of(client, stream, tool_choice=tool_choice, temperature=1.0)
+        assert finish == "tool_calls" and calls, (tool_choice, calls)
+        for c in calls:
+            assert c["type"] == "function" and c["id"].startswith("call_")
+            name, arguments = c["function"]["name"], json.loads(c["function"]["arguments"])
+            assert name in ("get_weather", "get_time")
+            if name == "get_weather":
+                jsonschema.validate(arguments, WEATHER_PARAMETERS)
+            else:
+                assert arguments == {}
+        if tool_choice == named:
+            assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+def test_auto_tool_choice_and_a_tool_call_round_trip(client: openai.OpenAI) -> None:
+    # SmolLM2-135M may or may not call: either way the answer is well formed, and the stream
+    # (content before any call streams, the calls come at the end) says what the whole answer
+    # says.
+    whole = tool_calls_of(client, False, temperature=0)
+    streamed = tool_calls_of(client, True, temperature=0)
+    assert whole[1] in (("tool_calls",) if whole[0] else ("stop", "length"))
+    assert [c["function"] for c in streamed[0]] == [c["function"] for c in whole[0]]
+    assert streamed[1] == whole[1] and streamed[2].strip() == whole[2].strip()
+    # A regex makes the model write a Hermes call with text before it: the auto parser reads it.
+    regex = r'Checking\.\n<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
+    for stream in (False, True):
+        calls, finish, content = tool_calls_of(
+            client, stream, temperature=0, extra_body={"guided_regex": regex}
+        )
+        assert finish == "tool_calls" and content.strip() == "Checking.", (stream, content)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            ("get_time", "{}")
+        ]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+    }
+    history: Any = [
+        *WEATHER_CHAT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    for tool_choice in ("auto", "none"):
+        r = greedy_chat(client, history, tools=TOOLS, tool_choice=tool_choice)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    r = greedy_chat(client, history, tool_choice="none")  # no tools: the history still renders
+    assert r.choices[0].message.content
+
+
+def test_bad_tool_requests_are_400_naming_the_field(url: str) -> None:
+    base = {"model": SMOL, "messages": WEATHER_CHAT, "max_tokens": 4}
+    for extra, param in [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a+"}, "tool_choice"),
+        ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": None}]}, "messages"),
+    ]:
+        r = http_post(f"{url}/v1/chat/completions", {**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
+
+
+# -- completions: echo, lists of prompts, suffix ---------------------------------------------
+
+
+def test_echo_and_a_list_of_prompts(url: str, client: openai.OpenAI) -> None:
+    prompts = ["The capital of France is", "One, two, three,"]
+
+    def complete(prompt: Any, **kwargs: Any) -> Any:
+        return client.completions.create(
+            model=SMOL, prompt=prompt, max_tokens=4, temperature=0, **kwargs
+        )
+
+    alone = [complete(p).choices[0].text for p in prompts]
+    both = complete(prompts, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert [c.text for c in both.choices] == [alone[0], alone[0], alone[1], alone[1]]
+    ids = [http_post(f"{url}/tokenize", {"prompt": p}).json()["tokens"] for p in prompts]
+    assert both.usage is not None and both.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert [c.text for c in complete(ids).choices] == alone
+
+    echoed = complete(prompts[0], echo=True).choices[0]
+    assert echoed.text == prompts[0] + alone[0]
+    streamed = complete(prompts[0], echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompts[0] + alone[0]
+    only = client.completions.create(model=SMOL, prompt=prompts, echo=True, max_tokens=0)
+    assert [c.text for c in only.choices] == prompts
+    assert only.usage is not None and only.usage.completion_tokens == 0
+
+    base = {"model": SMOL, "prompt": prompts[0], "max_tokens": 2}
+    for extra, param in [
+        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"suffix": " and that is all."}, "suffix"),
+        ({"prompt": []}, "prompt"),
+        ({"max_tokens": 0}, "max_tokens"),  # without echo
+    ]:
+        r = http_post(f"{url}/v1/completions", {**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())

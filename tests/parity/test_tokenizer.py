@@ -65,6 +65,28 @@ def test_chat_template_matches_transformers(
     )
 
 
+def test_continue_final_message_and_tools_match_transformers(
+    smollm2_path: Path, reference: object
+) -> None:
+    ours = load_tokenizer(smollm2_path)
+    chat = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1, 2, "}]
+    assert ours.apply_chat_template(
+        chat, False, continue_final_message=True
+    ) == reference.apply_chat_template(  # type: ignore[attr-defined]
+        chat, add_generation_prompt=False, continue_final_message=True, tokenize=False
+    )
+    # A template that renders tools reads the same `tools` variable transformers passes.
+    ours.chat_template = reference.chat_template = (  # type: ignore[attr-defined]
+        "{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    )
+    ours._template = None
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    assert ours.renders_tools is False  # no `tool_calls` in it: tools go the Hermes way
+    assert ours.apply_chat_template(chat, tools=tools) == reference.apply_chat_template(  # type: ignore[attr-defined]
+        chat, tools=tools, tokenize=False
+    )
+
+
 def test_a_template_error_is_a_value_error(smollm2_path: Path) -> None:
     tokenizer = load_tokenizer(smollm2_path)
     tokenizer.chat_template = "{{ raise_exception('only user turns') }}"

@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
+from router.choices import choice_preps, derived_seed, merged
 from router.core import Router
 from router.errors import ErrorKind, RouterError
 from router.relay import Delta
@@ -358,3 +359,31 @@ def test_deadline_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
         assert (await failure(c, LONG, timeout_s=0.3)).kind == ErrorKind.DEADLINE
 
     run(tiny_llama_path, {"p1": "hang", "d1": "serve"}, scenario)
+
+
+def test_n_choices_end_together(tiny_llama_path: Path) -> None:
+    """Choice i runs as `<id>/c<i>` with seed + i; an Abort of the request id ends every choice,
+    and a consumer that leaves ends them all on their workers."""
+
+    async def scenario(c: Cluster) -> None:
+        prep = c.router.prepare(SamplingParams(max_tokens=8, seed=5), prompt_token_ids=LONG)
+        preps = choice_preps(prep, 3)
+        assert [p.params.seed for p in preps] == [5, 6, 7]
+        assert derived_seed(2**63 - 1, 1) == -(2**63)  # wrapped into int64
+        finals, started = [], set()
+        async with contextlib.aclosing(merged(c.router.generate, preps)) as choices:
+            async for index, d in choices:
+                if len(started) < 3:
+                    started.add(index)
+                    if len(started) == 3:  # every choice streams: abort the request's own id
+                        assert c.router.abort(prep.request_id)
+                if d.finish_reason is not None:
+                    finals.append((index, d.finish_reason))
+        assert sorted(finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
+        sent = {r.request_id: r.sampling.seed for r in c.decode_requests}
+        assert sent == {f"{prep.request_id}/c{i}": 5 + i for i in range(3)}
+        async with contextlib.aclosing(merged(c.router.generate, choice_preps(prep, 2))) as two:
+            await anext(two)
+            assert sum(c.router.inflight.values()) >= 2
+
+    run(tiny_llama_path, {"p1": "push", "d1": "endless"}, scenario, max_inflight=8)

@@ -1,0 +1,234 @@
+"""Tool calling: OpenAI's `tools` and `tool_choice` turned into a prompt, a constraint and a parse.
+
+- `none`: the model answers in text; the tools are not shown to it.
+- `auto` (the default with tools): the tools go to the chat template, and the answer is parsed
+  for Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what the
+  Hermes, Qwen 2.5 and SmolLM2-style ChatML templates ask for); text without a readable call is
+  the answer's content.
+- `required`: the output is constrained (structured outputs, llguidance) to a JSON array of
+  `{"name", "parameters"}` objects, one of the tools each; `parallel_tool_calls: false` allows one.
+- a named function: the output is constrained to that function's `parameters` schema, and is
+  its arguments.
+
+A chat template that does not render tools itself (`Tokenizer.renders_tools`: SmolLM2's, say)
+gets them the Hermes way (`hermes_messages`): a system message listing them in `<tools>`, the
+assistant's earlier calls as `<tool_call>` blocks in its content, and tool results as user
+messages in `<tool_response>` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import invalid
+from tandem.structured import StructuredOutput
+
+_TAG = "<tool_call>"
+_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_HERMES_SYSTEM = (
+    "You are a function calling AI model. You are provided with function signatures within "
+    "<tools></tools> XML tags. You may call one or more functions to assist with the user "
+    "query. Don't make assumptions about what values to plug into functions.\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        call: dict[str, Any] = {
+            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools and how it may use them (`of` checks them: 400 naming the field)."""
+
+    tools: tuple[dict[str, Any], ...]  # the function definitions (`tools[i].function`)
+    choice: str  # "none", "auto", "required", or "function" (then `name`)
+    name: str = ""
+    parallel: bool = True
+
+    @classmethod
+    def of(
+        cls, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None
+    ) -> ToolUse | None:
+        """None without tools (and with tool_choice `none` or unset)."""
+        if not tools:
+            if tool_choice not in (None, "none"):
+                raise invalid("tool_choice needs tools", "tool_choice")
+            return None
+        functions = tuple(_function(t, i) for i, t in enumerate(tools))
+        names = [f["name"] for f in functions]
+        if tool_choice is None or tool_choice in ("none", "auto", "required"):
+            return cls(functions, tool_choice or "auto", parallel=parallel is not False)
+        name = _named(tool_choice)
+        if name not in names:
+            raise invalid(
+                f"tool_choice names {name!r}, which is not among tools {names}", "tool_choice"
+            )
+        return cls(functions, "function", name, parallel is not False)
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (none with `none`)."""
+        if self.choice == "none":
+            return None
+        return [{"type": "function", "function": f} for f in self.tools]
+
+    @property
+    def parses(self) -> bool:
+        return self.choice != "none"
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The constraint that `required` and a named function put on the output."""
+        if self.choice == "function":
+            function = next(f for f in self.tools if f["name"] == self.name)
+            return StructuredOutput.json_schema(function["parameters"], "tool_choice")
+        if self.choice != "required":
+            return None
+        calls = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "parameters": f["parameters"]},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for f in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return StructuredOutput.json_schema(schema, "tool_choice")
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The answer's content and tool calls; no calls (the text as content) when the text
+        holds none that can be read."""
+        if self.choice == "function":
+            return (None, [ToolCall(self.name, text)]) if _is_json(text) else (text, [])
+        if self.choice == "required":
+            try:
+                calls = [ToolCall(c["name"], json.dumps(c["parameters"])) for c in json.loads(text)]
+            except (ValueError, TypeError, KeyError):
+                return text, []
+            return None, calls
+        return parse_hermes(text, self.parallel)
+
+
+def parse_hermes(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """Hermes-style calls: the text before the first `<tool_call>` is the content; each block
+    holds `{"name", "arguments"}` (a last block may lack its closing tag, as when the model
+    stops there). Any block that does not read: no calls, the whole text is the content."""
+    start = text.find(_TAG)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in _CALL.findall(text, start):
+        try:
+            call = json.loads(block)
+            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
+        except (ValueError, TypeError, KeyError):
+            return text, []
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            return text, []
+        calls.append(ToolCall(name, json.dumps(arguments)))
+    content = text[:start].strip() or None
+    return content, calls if parallel else calls[:1]
+
+
+def streamable_prefix(text: str) -> int:
+    """How much of an `auto` answer can stream as content now: the text before a `<tool_call>`,
+    or before an end that may begin one."""
+    start = text.find(_TAG)
+    if start >= 0:
+        return start
+    for k in range(min(len(_TAG) - 1, len(text)), 0, -1):
+        if text.endswith(_TAG[:k]):
+            return len(text) - k
+    return len(text)
+
+
+def hermes_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The messages for a template that does not render tools: the tools in a system message
+    (after the request's own system text), calls and results as Hermes blocks."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            )
+        elif m.get("tool_calls"):
+            blocks = [
+                "<tool_call>\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                )
+                + "\n</tool_call>"
+                for c in m["tool_calls"]
+            ]
+            out.append({"role": m["role"], "content": "\n".join([m["content"], *blocks]).strip()})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        listing = "\n".join(json.dumps(t) for t in tools)
+        system = _HERMES_SYSTEM.format(tools=listing)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{system}"}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def _function(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    """The function of `tools[index]`, with `parameters` (an empty object schema if none)."""
+    function = tool.get("function")
+    if tool.get("type") != "function" or not isinstance(function, dict):
+        raise invalid(
+            f"tools[{index}] must be {{'type': 'function', 'function': {{...}}}}", "tools"
+        )
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise invalid(f"tools[{index}].function needs a name", "tools")
+    parameters = function.get("parameters", {"type": "object", "properties": {}})
+    if not isinstance(parameters, dict):
+        raise invalid(f"tools[{index}].function.parameters must be a JSON schema object", "tools")
+    return {**function, "parameters": parameters}
+
+
+def _named(tool_choice: Any) -> str:
+    if (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+        and isinstance(tool_choice["function"].get("name"), str)
+    ):
+        return str(tool_choice["function"]["name"])
+    raise invalid(
+        "tool_choice must be none, auto, required or "
+        '{"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
