@@ -47,7 +47,7 @@ from router.errors import ErrorKind, RouterError, invalid
 from router.inflight import Lease, pick
 from router.policies import PickContext, make_policy
 from router.relay import Delta, Relay
-from router.tools import hermes_messages
+from router.tools import hermes_messages, parser_for_template
 from tandem import hub
 from tandem.config import RouterConfig
 from tandem.messages import sampling_to_proto
@@ -179,6 +179,9 @@ class Router:
         self.forward_abort = forward_abort
         path = hub.resolve(config.model)
         self.tokenizer = load_tokenizer(path)
+        self.tool_parser = parser_for_template(
+            config.tool_call_parser, self.tokenizer.chat_template
+        )
         cfg = load_config(path)
         self.vocab_size = cfg.vocab_size
         self.max_model_len = config.max_model_len or cfg.max_position_embeddings

@@ -32,7 +32,7 @@ from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
-from router.tools import ToolUse, streamable_prefix
+from router.tools import ToolUse
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
@@ -360,8 +360,8 @@ class ChatRequest(_Sampling):
     def rendered_messages(self) -> list[dict[str, Any]]:
         return template_messages(self.messages)
 
-    def tool_use(self) -> ToolUse | None:
-        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tool_use(self, parser: str) -> ToolUse | None:
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls, parser)
 
     def chat_sampling_params(self, tool_use: ToolUse | None) -> SamplingParams:
         """The sampling parameters, with the constraint that the tool choice puts on the output."""
@@ -542,7 +542,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
-        tool_use = body.tool_use()
+        tool_use = body.tool_use(router.tool_parser)
         prep = router.prepare(
             body.chat_sampling_params(tool_use),
             model=body.model,
@@ -849,7 +849,7 @@ class _ChatRender(_Render):
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         finish_reason = None
         if d.finish_reason is None:
-            end = streamable_prefix(text) if auto else 0
+            end = self.tool_use.streamable_prefix(text) if auto else 0
             if end <= c.streamed:
                 return None
             delta["content"] = text[c.streamed : end]
@@ -859,7 +859,7 @@ class _ChatRender(_Render):
             calls = message.get("tool_calls", [])
             end = len(text)  # no calls: the text is the content
             if calls:
-                end = streamable_prefix(text) if auto else 0
+                end = self.tool_use.streamable_prefix(text) if auto else 0
             if end > c.streamed:
                 delta["content"] = text[c.streamed : end]
             if calls:

@@ -2,9 +2,12 @@
 
 - `none`: the model answers in text; the tools are not shown to it.
 - `auto` (the default with tools): the tools go to the chat template, and the answer is parsed
-  for Hermes-style calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what the
-  Hermes, Qwen 2.5 and SmolLM2-style ChatML templates ask for); text without a readable call is
-  the answer's content.
+  for calls in the model's format (`RouterConfig.tool_call_parser`, `PARSERS`; `auto` reads it
+  from the chat template, `parser_for_template`): `hermes`,
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (what the Hermes, Qwen 2.5 and
+  SmolLM2-style ChatML templates ask for), or `llama3_json`, the answer itself one or more
+  `{"name": ..., "parameters": {...}}` objects separated by `;`, perhaps after
+  `<|python_tag|>` (Llama 3.1-3.3); text without a readable call is the answer's content.
 - `required`: the output is constrained (structured outputs, llguidance) to a JSON array of
   `{"name", "parameters"}` objects, one of the tools each; `parallel_tool_calls: false` allows one.
 - a named function: the output is constrained to that function's `parameters` schema, and is
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ from router.errors import invalid
 from tandem.structured import StructuredOutput
 
 _TAG = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 _HERMES_SYSTEM = (
     "You are a function calling AI model. You are provided with function signatures within "
@@ -63,10 +68,15 @@ class ToolUse:
     choice: str  # "none", "auto", "required", or "function" (then `name`)
     name: str = ""
     parallel: bool = True
+    parser: str = "hermes"  # a key of PARSERS: the format of an `auto` answer's calls
 
     @classmethod
     def of(
-        cls, tools: list[dict[str, Any]] | None, tool_choice: Any, parallel: bool | None
+        cls,
+        tools: list[dict[str, Any]] | None,
+        tool_choice: Any,
+        parallel: bool | None,
+        parser: str = "hermes",
     ) -> ToolUse | None:
         """None without tools (and with tool_choice `none` or unset)."""
         if not tools:
@@ -76,13 +86,13 @@ class ToolUse:
         functions = tuple(_function(t, i) for i, t in enumerate(tools))
         names = [f["name"] for f in functions]
         if tool_choice is None or tool_choice in ("none", "auto", "required"):
-            return cls(functions, tool_choice or "auto", parallel=parallel is not False)
+            return cls(functions, tool_choice or "auto", "", parallel is not False, parser)
         name = _named(tool_choice)
         if name not in names:
             raise invalid(
                 f"tool_choice names {name!r}, which is not among tools {names}", "tool_choice"
             )
-        return cls(functions, "function", name, parallel is not False)
+        return cls(functions, "function", name, parallel is not False, parser)
 
     @property
     def prompt_tools(self) -> list[dict[str, Any]] | None:
@@ -127,7 +137,11 @@ class ToolUse:
             except (ValueError, TypeError, KeyError):
                 return text, []
             return None, calls
-        return parse_hermes(text, self.parallel)
+        return PARSERS[self.parser].parse(text, self.parallel)
+
+    def streamable_prefix(self, text: str) -> int:
+        """How much of an `auto` answer can stream as content now."""
+        return PARSERS[self.parser].streamable_prefix(text)
 
 
 def parse_hermes(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
@@ -140,13 +154,12 @@ def parse_hermes(text: str, parallel: bool = True) -> tuple[str | None, list[Too
     calls = []
     for block in _CALL.findall(text, start):
         try:
-            call = json.loads(block)
-            name, arguments = call["name"], call.get("arguments", call.get("parameters", {}))
-        except (ValueError, TypeError, KeyError):
+            call = _read_call(json.loads(block))
+        except ValueError:
             return text, []
-        if not isinstance(name, str) or not isinstance(arguments, dict):
+        if call is None:
             return text, []
-        calls.append(ToolCall(name, json.dumps(arguments)))
+        calls.append(call)
     content = text[:start].strip() or None
     return content, calls if parallel else calls[:1]
 
@@ -161,6 +174,71 @@ def streamable_prefix(text: str) -> int:
         if text.endswith(_TAG[:k]):
             return len(text) - k
     return len(text)
+
+
+def _read_call(call: Any) -> ToolCall | None:
+    """A `{"name", "arguments" | "parameters"}` object as a call; None if it is not one."""
+    if not isinstance(call, dict):
+        return None
+    name, arguments = call.get("name"), call.get("arguments", call.get("parameters", {}))
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return ToolCall(name, json.dumps(arguments))
+
+
+def parse_llama3_json(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """Llama 3's JSON calls: the whole answer (after an optional `<|python_tag|>`) is one or more
+    `{"name", "parameters"}` objects separated by `;`. Anything else: no calls, the text is the
+    content."""
+    body = text.strip().removeprefix(_PYTHON_TAG).strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(body):
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return text, []
+        call = _read_call(value)
+        if call is None:
+            return text, []
+        calls.append(call)
+        at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
+    return None, calls if parallel else calls[:1]
+
+
+def llama3_streamable_prefix(text: str) -> int:
+    """An answer that begins (after spaces) like a call, `{` or `<|python_tag|>`, is held to its
+    end; any other streams as it comes."""
+    head = text.lstrip()
+    if not head or head.startswith("{") or head.startswith(_PYTHON_TAG):
+        return 0
+    return 0 if _PYTHON_TAG.startswith(head) else len(text)
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """One model family's tool-call format: read a whole answer, and tell how much of a partial
+    one is surely content (streams at once)."""
+
+    parse: Callable[[str, bool], tuple[str | None, list[ToolCall]]]
+    streamable_prefix: Callable[[str], int]
+
+
+PARSERS = {
+    "hermes": ToolParser(parse_hermes, streamable_prefix),
+    "llama3_json": ToolParser(parse_llama3_json, llama3_streamable_prefix),
+}
+
+
+def parser_for_template(name: str, chat_template: str | None) -> str:
+    """The parser `name` (`RouterConfig.tool_call_parser`) or, for `auto`, the one the chat
+    template asks for: Llama 3's (`<|python_tag|>` / the `ipython` role) or else Hermes's (also
+    how tools are rendered for a template that renders none, `hermes_messages`)."""
+    if name != "auto":
+        return name
+    template = chat_template or ""
+    return "llama3_json" if _PYTHON_TAG in template or "ipython" in template else "hermes"
 
 
 def hermes_messages(

@@ -380,6 +380,8 @@ class EngineConfig:
 
 KV_CHANNELS = ("auto", "grpc", "pair", "shm")  # kv_transfer/sender.py
 ON_TRANSFER_FAILURE = ("local", "fail")  # decode: prefill the prompt itself, or fail the request
+# router/tools.py: how a model writes tool calls; auto: from its chat template
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
 ON_PREFILL_FAILURE = ("retry", "local", "fail")  # router: another P once, then local; or ...
 
 
@@ -442,6 +444,7 @@ class RouterConfig:
     decode_wait_s: float = 30.0
     max_decode_waiters: int = 256
     max_model_len: int | None = None
+    tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS
     # `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and tandem.v1.Tandem (auth.py);
     # None: open. Kept out of repr, so a logged config does not leak it.
     api_key: str | None = field(default=None, repr=False)
@@ -449,6 +452,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.api_key == "":
             raise ValueError("api_key must not be empty (None leaves the APIs open)")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}")
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
             raise ValueError(f"on_prefill_failure must be one of {ON_PREFILL_FAILURE}")
         if self.decode_wait_s < 0:

@@ -20,6 +20,7 @@ from tandem.cli.options import (
     QuantOpt,
     SpecCostOpt,
     SpecOpt,
+    ToolParserOpt,
     console,
     speculative_option,
 )
@@ -44,6 +45,7 @@ def serve(
     dry_run: Annotated[bool, typer.Option(help="Autoscaler logs, does not act.")] = False,
     admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
     api_key: ApiKeyOpt = None,
+    tool_call_parser: ToolParserOpt = "auto",
     demo: Annotated[bool, typer.Option(help="Answer one request, then keep serving.")] = True,
     gpus_per_worker: Annotated[int, typer.Option(help="GPU bundles per worker (0: CPU).")] = 0,
     cpus_per_worker: Annotated[float, typer.Option(help="CPUs reserved per worker.")] = 1.0,
@@ -73,7 +75,7 @@ def serve(
         "max_num_seqs": max_num_seqs, "num_threads": num_threads,
     }  # fmt: skip
     listen = (redis, host, http_port, grpc_port)
-    router = router_config(model, api_key)
+    router = router_config(model, api_key, tool_call_parser=tool_call_parser)
     cluster: Any
     if ray:
         speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
@@ -212,6 +214,7 @@ def router_cmd(
     ] = None,
     admin_token: Annotated[str | None, typer.Option(help="Token for the admin APIs.")] = None,
     api_key: ApiKeyOpt = None,
+    tool_call_parser: ToolParserOpt = "auto",
     prefill_policy: str = "prefix_aware",
     decode_policy: str = "least_loaded",
     local_prefill_tokens: int = 32,
@@ -234,6 +237,7 @@ def router_cmd(
         prefill_policy=prefill_policy,
         decode_policy=decode_policy,
         local_prefill_tokens=local_prefill_tokens,
+        tool_call_parser=tool_call_parser,
     )
     server = RouterServer(
         config, redis, host, http_port, grpc_port, admin_token, controller=controller

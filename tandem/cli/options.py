@@ -22,6 +22,13 @@ ApiKeyOpt = Annotated[
         "which keeps it out of the process list). None: open."
     ),
 ]
+ToolParserOpt = Annotated[
+    str,
+    typer.Option(
+        help="How the model writes tool calls: auto (from its chat template) | hermes | "
+        "llama3_json."
+    ),
+]
 ModelOpt = Annotated[str, typer.Option(help="Catalogue name, HF directory or .gguf path.")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]

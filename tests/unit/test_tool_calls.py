@@ -12,7 +12,17 @@ import jsonschema
 import pytest
 
 from router.errors import RouterError
-from router.tools import ToolCall, ToolUse, hermes_messages, parse_hermes, streamable_prefix
+from router.tools import (
+    ToolCall,
+    ToolUse,
+    hermes_messages,
+    llama3_streamable_prefix,
+    parse_hermes,
+    parse_llama3_json,
+    parser_for_template,
+    streamable_prefix,
+)
+from tandem.config import RouterConfig
 from tandem.tokenizer import load_tokenizer
 
 WEATHER = {
@@ -178,3 +188,61 @@ def test_continue_final_message_on_smollm2(smollm2_path: Path) -> None:
 )
 def test_what_an_auto_answer_streams_as_content(text: str, end: int) -> None:
     assert streamable_prefix(text) == end
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("Paris is sunny.", "Paris is sunny.", []),
+        (
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            None,
+            [call("get_weather", city="Paris")],
+        ),
+        (
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+            '{"name": "get_time", "parameters": {}}',
+            None,
+            [call("get_weather", city="Oslo"), call("get_time")],
+        ),
+        # "arguments" is read too; a truncated or nameless object is content.
+        ('{"name": "get_time", "arguments": {}}', None, [call("get_time")]),
+        ('{"name": "get_time", "param', '{"name": "get_time", "param', []),
+        ('{"parameters": {}}', '{"parameters": {}}', []),
+        ('{"name": "get_time", "parameters": {}} and more', None, None),
+    ],
+    ids=["text", "one", "two-after-tag", "arguments", "truncated", "no-name", "trailing-text"],
+)
+def test_llama3_json_parser_on_fixed_outputs(
+    text: str, content: str | None, calls: list[ToolCall] | None
+) -> None:
+    if calls is None:  # trailing text after the object: not a call answer, all content
+        assert parse_llama3_json(text) == (text, [])
+        return
+    assert parse_llama3_json(text) == (content, calls)
+    if calls:
+        assert parse_llama3_json(text, parallel=False) == (None, calls[:1])
+
+
+@pytest.mark.parametrize(
+    ("text", "end"),
+    [("Paris", 5), ("  {", 0), ('{"name"', 0), ("<|python", 0), ("<|python_tag|>{", 0), ("", 0)],
+)
+def test_what_a_llama3_answer_streams_as_content(text: str, end: int) -> None:
+    assert llama3_streamable_prefix(text) == end
+
+
+def test_the_parser_follows_the_chat_template() -> None:
+    llama3 = "{%- if tools %}<|start_header_id|>ipython<|end_header_id|>{% endif %}<|python_tag|>"
+    assert parser_for_template("auto", llama3) == "llama3_json"
+    assert parser_for_template("auto", "{{ '<tool_call>' }}") == "hermes"
+    assert parser_for_template("auto", None) == "hermes"
+    assert parser_for_template("hermes", llama3) == "hermes"  # the option wins
+    auto = ToolUse.of([WEATHER], None, None, "llama3_json")
+    assert auto is not None and auto.parse('{"name": "get_weather", "parameters": {}}') == (
+        None,
+        [call("get_weather")],
+    )
+    assert auto.streamable_prefix("Sunny") == 5
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        RouterConfig("smollm2-135m", tool_call_parser="mistral")
