@@ -191,6 +191,7 @@ class SoakLoad:
             "prompt": (LONG if long else SHORT).format(i=tag),
             "max_tokens": c.long_tokens if long else c.short_tokens,
             "temperature": 0.0,
+            "ignore_eos": True,  # every request streams its max_tokens: TPOT on equal terms
             "stream": True,
             "timeout": c.deadline_s,
         }
