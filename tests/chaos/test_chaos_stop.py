@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from chaos_load import (
     reference_of,
     running_clean,
 )
-from cluster_helpers import wait_for, wait_workers_idle, workers
+from cluster_helpers import wait_for, wait_printed, wait_workers_idle, workers
 
 from router.router_server import RouterAddress
 from tandem.cluster.lifetime import die_with_parent
@@ -138,11 +137,7 @@ def serving(model: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
             cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready" not in log.read_text(errors="replace"):
-            assert launcher.poll() is None, f"serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
-            time.sleep(0.2)
+        wait_printed(launcher, log, "ready", START_TIMEOUT_S)
         yield launcher
     finally:
         with contextlib.suppress(ProcessLookupError):
