@@ -151,7 +151,8 @@ class SoakLoad:
 
     def hold(self, timeout_s: float) -> bool:
         """New requests wait; True once none is in flight (within `timeout_s`)."""
-        self._open.clear()
+        with self._lock:
+            self._open.clear()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
@@ -168,9 +169,11 @@ class SoakLoad:
         i = 0
         while not self._stop.is_set():
             self._open.wait()
-            if self._stop.is_set():
-                return
-            with self._lock:
+            with self._lock:  # `hold` clears `_open` under the lock: no request slips past it
+                if self._stop.is_set():
+                    return
+                if not self._open.is_set():
+                    continue
                 self._in_flight += 1
             try:
                 request = self._send(rng, f"{c}.{i}")
