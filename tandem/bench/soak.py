@@ -77,6 +77,8 @@ class SoakConfig:
             raise ValueError("need num_prefill >= 1 and num_decode >= 2 (streams migrate)")
         if self.clients < 1:
             raise ValueError(f"clients must be >= 1, got {self.clients}")
+        if not 0 <= self.long_share <= 1:
+            raise ValueError(f"long_share must be in [0, 1], got {self.long_share}")
 
     def quick(self) -> SoakConfig:
         """A pipeline check: a fault of each kind in about a minute."""
@@ -106,6 +108,7 @@ class Request:
     end_s: float | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
+    detail: str = ""  # an error's message
 
 
 @dataclass
@@ -211,6 +214,7 @@ class SoakLoad:
                     for event in _sse(r.iter_lines()):
                         if "error" in event:
                             request.outcome = _error_outcome(event["error"])
+                            request.detail = str(event["error"].get("message", ""))[:300]
                             break
                         choice = event["choices"][0]
                         if choice["text"]:
@@ -218,7 +222,7 @@ class SoakLoad:
                         if choice["finish_reason"] is not None:
                             request.outcome = "completed"
                 else:
-                    r.read()
+                    request.detail = r.read().decode(errors="replace")[:300]
         except httpx.TimeoutException:
             request.outcome = "hung"
         except httpx.TransportError:

@@ -40,9 +40,14 @@ def summarize(
         disturbed = any(r.start_s < end and (r.end_s or r.start_s) >= at for at, _, end in windows)
         late = r.outcome == "deadline_exceeded" and disturbed
         outcomes[f"{r.outcome} (recovery)" if late else r.outcome] += 1
+    examples: dict[str, str] = {}
+    for r in requests:
+        if r.detail:
+            examples.setdefault(r.outcome, r.detail)
     return {
         "config": asdict(config),
         "outcomes": dict(outcomes.most_common()),
+        "error_examples": examples,  # the first message of each failed outcome
         "phases": {p: _latency(rs) for p, rs in by_phase.items()},
         "faults": [_fault_row(f, requests) for f in faults],
         "final_leak_check": final_check,
@@ -114,6 +119,8 @@ def print_soak(report: dict[str, Any], console: Console) -> None:
     for kind, n in report["outcomes"].items():
         outcomes.add_row(kind, str(n))
     console.print(outcomes)
+    for kind, message in report["error_examples"].items():
+        console.print(f"  [dim]{kind}: {message}[/dim]", markup=True, highlight=False)
     phases = Table(title="latency by phase", title_justify="left", box=box.SIMPLE_HEAD)
     for name in ("phase", "requests", "completed", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"):
         phases.add_column(name, justify="left" if name == "phase" else "right")

@@ -198,6 +198,12 @@ def bench_soak(
     clients: Annotated[int, typer.Option(help="Client threads, back to back.")] = 3,
     steady: Annotated[float, typer.Option(help="Seconds before the first fault.")] = 60.0,
     fault_interval: Annotated[float, typer.Option(help="Seconds between faults.")] = 90.0,
+    long_share: Annotated[
+        float, typer.Option(help="Share of requests with a long prompt (~400 SmolLM2 tokens).")
+    ] = 0.15,
+    recovery_window: Annotated[
+        float, typer.Option(help="Seconds after a fault's replacement is ready: its recovery.")
+    ] = 10.0,
     quick: Annotated[bool, typer.Option("--quick", help="One minute, a fault a kind.")] = False,
     json_out: JsonOutOpt = None,
 ) -> None:
@@ -211,6 +217,7 @@ def bench_soak(
         lambda: SoakConfig(
             model=model, duration_s=duration, seed=seed, num_prefill=prefill, num_decode=decode,
             clients=clients, steady_s=steady, fault_interval_s=fault_interval,
+            recovery_window_s=recovery_window, long_share=long_share,
         ),
         quick,
         run_soak,
