@@ -57,6 +57,7 @@ from types import TracebackType
 from typing import Any, cast
 
 import redis
+import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -293,10 +294,50 @@ class _EmbeddedRedis:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+SENTINEL_SCHEME = "redis+sentinel://"
+SENTINEL_PORT = 26379
+
+
+def redis_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client of the Redis at `url`: redis-py's own schemes (`redis://`, `rediss://`,
+    `unix://`), or `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/NAME[/DB]`:
+    the current primary of the set Sentinel monitors as NAME, asked of those Sentinels on each
+    new connection, so a call after a failover reaches the promoted replica (the password is the
+    primary's). A refused or reset connection is retried once at once; a timeout is not."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+    }
+    if not url.startswith(SENTINEL_SCHEME):
+        return redis.Redis.from_url(url, **options)
+    userinfo, _, hosts = url.removeprefix(SENTINEL_SCHEME).partition("/")[0].rpartition("@")
+    path = url.removeprefix(SENTINEL_SCHEME).partition("/")[2].strip("/").split("/")
+    if not hosts or not path[0] or len(path) > 2:
+        raise ValueError(
+            f"bad Sentinel URL {url!r}: expected redis+sentinel://host[:port][,host[:port]]/NAME[/DB]"
+        )
+    sentinels = [
+        (host, int(port) if port else SENTINEL_PORT)
+        for host, _, port in (h.partition(":") for h in hosts.split(","))
+    ]
+    username, _, password = userinfo.partition(":")
+    sentinel = redis.sentinel.Sentinel(
+        sentinels, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+    )
+    return sentinel.master_for(
+        path[0],
+        db=int(path[1]) if len(path) == 2 else 0,
+        username=username or None,
+        password=password or None,
+        **options,
+    )
+
+
 class Registry:
     """The worker registry: `Registry()` starts and owns an embedded Redis (stopped by `close()`),
-    `Registry(url)` uses any `redis://`, `rediss://` or `unix://` URL, such as another
-    Registry's `url`.
+    `Registry(url)` uses any `redis://`, `rediss://`, `unix://` or `redis+sentinel://` URL
+    (`redis_client`), such as another Registry's `url`.
 
     The embedded Redis runs under a supervisor (`_EmbeddedRedis`) that restarts it, empty, on
     the same socket when it dies; the heartbeats refill it (see the module docstring).
@@ -327,12 +368,7 @@ class Registry:
         self._url = url
         self._ns = namespace
         try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-            )
+            self._client = redis_client(url, timeout_s)
         except BaseException:
             self._close_server()
             raise

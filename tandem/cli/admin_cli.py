@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import typer
@@ -36,15 +37,46 @@ def scale(
     decode: Annotated[int | None, typer.Option(help="Decode pool size.")] = None,
     router: RouterOpt = "127.0.0.1:50051",
     token: TokenOpt = None,
+    wait: Annotated[
+        float, typer.Option(help="Seconds to wait for the pools, then print what is not placed.")
+    ] = 10.0,
 ) -> None:
-    """Set the size of the prefill and/or decode pool (scale-down drains)."""
+    """Set the size of the prefill and/or decode pool (scale-down drains); then wait up to
+    --wait seconds for the pools to serve at that size, and print the workers still not
+    running with the reason (a worker infeasible on this cluster ends the wait at once)."""
+    from tandem.cli.status_view import controller_lines, controller_rows
     from tandem.v1 import admin_pb2
 
     stub, metadata = _admin(router, token)
+    asked = time.time()
     reply = _admin_call(
         stub.Scale, admin_pb2.ScaleRequest(prefill=prefill, decode=decode), metadata
     )
     console.print(f"desired: {reply.prefill} prefill, {reply.decode} decode")
+    desired = {"prefill": reply.prefill, "decode": reply.decode}
+    deadline = time.monotonic() + wait
+    while True:
+        workers = _admin_call(stub.ListWorkers, admin_pb2.ListWorkersRequest(), metadata)
+        controller = controller_rows(workers)
+        controller["events"] = [e for e in controller["events"] if e["time_unix"] >= asked]
+        if _placed(workers, desired) or time.monotonic() >= deadline or _infeasible(controller):
+            break
+        time.sleep(0.5)
+    if controller["pending"] or controller["events"]:
+        console.print("not serving yet:")
+    for line in controller_lines(controller):
+        console.print(f"  {line}", soft_wrap=True, markup=False, highlight=False)
+
+
+def _placed(reply: Any, desired: dict[str, int]) -> bool:
+    """Every pool serves at its desired size, nothing pending."""
+    serving = [w.role for w in reply.workers if not w.draining]
+    return not reply.pending and all(serving.count(r) == n for r, n in desired.items())
+
+
+def _infeasible(controller: dict[str, list[dict[str, Any]]]) -> bool:
+    """Some placement cannot happen on this cluster: waiting longer shows nothing new."""
+    return any(p["reason"].startswith("infeasible") for p in controller["pending"])
 
 
 def status(

@@ -186,3 +186,41 @@ def bench_tp(
         json_out,
         console,
     )
+
+
+@bench_app.command("soak")
+def bench_soak(
+    model: ModelOpt = DEFAULT_MODEL,
+    duration: Annotated[float, typer.Option(help="Seconds of load (faults included).")] = 1800.0,
+    seed: Annotated[int, typer.Option(help="Seeds the fault schedule, victims and load.")] = 0,
+    prefill: Annotated[int, typer.Option(help="Prefill workers.")] = 2,
+    decode: Annotated[int, typer.Option(help="Decode workers (2 or more: streams migrate).")] = 2,
+    clients: Annotated[int, typer.Option(help="Client threads, back to back.")] = 3,
+    steady: Annotated[float, typer.Option(help="Seconds before the first fault.")] = 60.0,
+    fault_interval: Annotated[float, typer.Option(help="Seconds between faults.")] = 90.0,
+    long_share: Annotated[
+        float, typer.Option(help="Share of requests with a long prompt (~400 SmolLM2 tokens).")
+    ] = 0.15,
+    recovery_window: Annotated[
+        float, typer.Option(help="Seconds after a fault's replacement is ready: its recovery.")
+    ] = 10.0,
+    quick: Annotated[bool, typer.Option("--quick", help="One minute, a fault a kind.")] = False,
+    json_out: JsonOutOpt = None,
+) -> None:
+    """A local --no-ray cluster under mixed streaming load while a seeded schedule SIGKILLs its
+    prefill and decode worker processes and its embedded Redis (restarted by their
+    supervisors): requests by outcome, p99 TTFT/TPOT per phase (steady, fault, recovery), each
+    fault's recovery times and leak check."""
+    from tandem.bench.soak import SoakConfig, run_soak
+
+    run_bench_command(
+        lambda: SoakConfig(
+            model=model, duration_s=duration, seed=seed, num_prefill=prefill, num_decode=decode,
+            clients=clients, steady_s=steady, fault_interval_s=fault_interval,
+            recovery_window_s=recovery_window, long_share=long_share,
+        ),
+        quick,
+        run_soak,
+        json_out,
+        console,
+    )  # fmt: skip

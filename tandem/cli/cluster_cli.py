@@ -26,6 +26,14 @@ from tandem.cli.options import (
 )
 from tandem.config import DEFAULT_MODEL, RouterConfig, TransferConfig, api_key_from_environment
 
+DecodeWaitOpt = Annotated[
+    float,
+    typer.Option(help="With no decode worker, a request waits this long for one (0: 503 at once)."),
+]
+DecodeWaitersOpt = Annotated[
+    int, typer.Option(help="Requests that may wait for a decode worker; more get 429.")
+]
+
 
 def serve(
     model: ModelOpt = DEFAULT_MODEL,
@@ -63,6 +71,11 @@ def serve(
     num_threads: Annotated[int | None, typer.Option(help="torch threads per worker.")] = None,
     engine: Annotated[str, typer.Option(help="--no-ray: real | sim workers.")] = "real",
     sim_profile: Annotated[str | None, typer.Option(help="sim: profile JSON.")] = None,
+    decode_wait_s: DecodeWaitOpt = 30.0,
+    max_decode_waiters: DecodeWaitersOpt = 256,
+    placement_timeout_s: Annotated[
+        float, typer.Option(help="Ray: a worker not placed this long is dropped.")
+    ] = 300.0,
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.local_cluster import LocalCluster
@@ -75,14 +88,20 @@ def serve(
         "max_num_seqs": max_num_seqs, "num_threads": num_threads,
     }  # fmt: skip
     listen = (redis, host, http_port, grpc_port)
-    router = router_config(model, api_key, tool_call_parser=tool_call_parser)
+    router = router_config(
+        model,
+        api_key,
+        decode_wait_s=decode_wait_s,
+        max_decode_waiters=max_decode_waiters,
+        tool_call_parser=tool_call_parser,
+    )
     cluster: Any
     if ray:
         speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
         cluster = _ray_cluster(
             model, prefill, decode, address, listen, engine_options, speculative,
             _ray_pools(cpus_per_worker, gpus_per_worker, pin_pools), autoscale, dry_run,
-            admin_token, router,
+            admin_token, router, placement_timeout_s,
         )  # fmt: skip
     else:
         spec_flags = ["--spec", spec] if spec else []
@@ -127,6 +146,7 @@ def _ray_cluster(
     dry_run: bool,
     admin_token: str | None,
     router: RouterConfig,
+    placement_timeout_s: float,
 ) -> Any:
     """The pools as Ray actors; the decode pool speculates as `--spec` says."""
     from tandem.cluster.autoscaler import AutoscalerConfig
@@ -139,7 +159,7 @@ def _ray_cluster(
         decode_engine={"speculative": speculative} if speculative else {},
         prefill_pool=pools["prefill"], decode_pool=pools["decode"],
         autoscale=AutoscalerConfig() if autoscale else None, dry_run=dry_run,
-        admin_token=admin_token, router=router,
+        admin_token=admin_token, router=router, placement_timeout_s=placement_timeout_s,
     )  # fmt: skip
 
 
@@ -218,6 +238,8 @@ def router_cmd(
     prefill_policy: str = "prefix_aware",
     decode_policy: str = "least_loaded",
     local_prefill_tokens: int = 32,
+    decode_wait_s: DecodeWaitOpt = 30.0,
+    max_decode_waiters: DecodeWaitersOpt = 256,
 ) -> None:
     """Run only the router (its own process or Kubernetes Deployment); workers come from the
     registry."""
@@ -237,6 +259,8 @@ def router_cmd(
         prefill_policy=prefill_policy,
         decode_policy=decode_policy,
         local_prefill_tokens=local_prefill_tokens,
+        decode_wait_s=decode_wait_s,
+        max_decode_waiters=max_decode_waiters,
         tool_call_parser=tool_call_parser,
     )
     server = RouterServer(

@@ -11,7 +11,11 @@ Hysteresis and cooldown keep it from oscillating: a condition must hold for `up_
 `down_after`) consecutive observations, a pool changes at most once per `up_cooldown_s` (or
 `down_cooldown_s`, counted from that pool's last change in either direction), one worker per
 decision, within [min, max]. A scale-down is carried out by draining a worker, never by killing
-it. `observe` is a pure function of the observations fed to it (time comes with each one), so
+it. A pool's size counts its workers asked for and not serving yet (pending placement, or loading
+the model): a pool never grows while some are pending (the capacity is on its way, and one more
+would likely wait for the same resources). A size set by hand (`hold`) stands for
+`manual_hold_s`: the autoscaler does not change that pool meanwhile, and its streaks restart.
+`observe` is a pure function of the observations fed to it (time comes with each one), so
 recorded metric series replay deterministically; every decision carries its inputs for the log.
 """
 
@@ -37,6 +41,7 @@ class AutoscalerConfig:
     down_after: int = 6
     up_cooldown_s: float = 30.0
     down_cooldown_s: float = 180.0
+    manual_hold_s: float = 600.0  # a size set by hand stands this long
 
     def __post_init__(self) -> None:
         if not (
@@ -58,6 +63,8 @@ class ClusterMetrics:
     tpot_p90_s: float | None
     prefill_queue: int  # requests waiting on prefill workers
     decode_kv_usage: float  # mean over decode workers, 0..1
+    pending_prefill: int = 0  # workers asked for, not serving yet (placing or loading)
+    pending_decode: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,12 +86,19 @@ class _PoolState:
     up_streak: int = 0
     down_streak: int = 0
     last_change: float = field(default=float("-inf"))
+    hold_until: float = field(default=float("-inf"))
 
 
 class Autoscaler:
     def __init__(self, config: AutoscalerConfig | None = None) -> None:
         self.config = config or AutoscalerConfig()
         self._pools = {"prefill": _PoolState(), "decode": _PoolState()}
+
+    def hold(self, pool: str, at: float) -> None:
+        """An operator set `pool`'s size at time `at`: leave it alone for `manual_hold_s`."""
+        s = self._pools[pool]
+        s.hold_until, s.last_change = at + self.config.manual_hold_s, at
+        s.up_streak = s.down_streak = 0
 
     def observe(self, m: ClusterMetrics) -> list[Decision]:
         """The decisions this observation triggers (at most one per pool)."""
@@ -95,6 +109,7 @@ class Autoscaler:
             "prefill",
             m,
             m.num_prefill,
+            m.pending_prefill,
             c.min_prefill,
             c.max_prefill,
             up=_over(m.ttft_p90_s, c.ttft_p90_slo_s, "p90 TTFT")
@@ -110,6 +125,7 @@ class Autoscaler:
             "decode",
             m,
             m.num_decode,
+            m.pending_decode,
             c.min_decode,
             c.max_decode,
             up=_over(m.tpot_p90_s, c.tpot_p90_slo_s, "p90 TPOT")
@@ -126,17 +142,22 @@ class Autoscaler:
         self,
         pool: str,
         m: ClusterMetrics,
-        current: int,
+        serving: int,
+        pending: int,
         lo: int,
         hi: int,
         up: str | None,
         down: bool,
     ) -> Decision | None:
         c, s = self.config, self._pools[pool]
+        if m.time < s.hold_until:
+            return None
         s.up_streak = s.up_streak + 1 if up else 0
         s.down_streak = s.down_streak + 1 if down and not up else 0
         since = m.time - s.last_change
-        if up and s.up_streak >= c.up_after and since >= c.up_cooldown_s and current < hi:
+        current = serving + pending
+        grows = up and not pending and current < hi
+        if grows and s.up_streak >= c.up_after and since >= c.up_cooldown_s:
             s.last_change, s.up_streak = m.time, 0
             return Decision(m.time, pool, current, current + 1, f"{up} for {c.up_after} obs", m)
         if s.down_streak >= c.down_after and since >= c.down_cooldown_s and current > lo:

@@ -15,8 +15,10 @@ The controller keeps each pool at its desired size. A worker slot's life:
       -> draining (scale-down): the worker stops taking work, finishes what it has, deregisters;
          then its actor and placement group go
 
-`reconcile()` does one pass (tests call it directly); the Ray actor `ControllerActor` runs it
-every `interval_s` on a thread, and optionally feeds the SLO autoscaler.
+`reconcile()` does one pass (tests call it directly); the Ray actor `ControllerLoop` runs it
+every `interval_s` on a thread, and optionally feeds the SLO autoscaler, with the pending workers
+counted in each pool's size; a size set by hand (`scale`) holds the autoscaler off that pool for
+its `manual_hold_s`, while `apply` carries out the autoscaler's own decisions.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -185,7 +187,14 @@ class PoolController:
             return next((s.actor for s in self.slots if s.worker_id == worker_id), None)
 
     def apply(self, decision: Decision) -> None:
-        self.scale(**{decision.pool: decision.target})
+        """The autoscaler's decision (`scale` is the operator's)."""
+        with self._lock:
+            self.desired[decision.pool] = decision.target
+
+    def pending(self, role: str) -> int:
+        """Workers of `role` asked for and not serving yet (placing or loading the model)."""
+        with self._lock:
+            return sum(s.role == role and s.state in ("pending", "starting") for s in self.slots)
 
     # -- one pass -----------------------------------------------------------------------------
 
@@ -343,10 +352,27 @@ class ControllerLoop(PoolController):
             except Exception:
                 log.exception("reconcile failed")
 
+    def scale(self, prefill: int | None = None, decode: int | None = None) -> dict[str, int]:
+        """An operator's size, which the autoscaler then holds for its `manual_hold_s`."""
+        with self._lock:
+            sizes = super().scale(prefill, decode)
+            for role, n in (("prefill", prefill), ("decode", decode)):
+                if n is not None and self.autoscaler is not None:
+                    self.autoscaler.hold(role, time.monotonic())
+            return sizes
+
     def _autoscale(self) -> None:
         if self.autoscaler is None or self._signals is None:
             return
-        for decision in self.autoscaler.observe(self._signals.observe()):
+        observed = self._signals.observe()  # scrapes the workers: outside the lock
+        with self._lock:
+            metrics = replace(
+                observed,
+                pending_prefill=self.pending("prefill"),
+                pending_decode=self.pending("decode"),
+            )
+            decisions = self.autoscaler.observe(metrics)
+        for decision in decisions:
             log.info(
                 "autoscaler%s: %s %d -> %d (%s) inputs=%s",
                 " (dry run)" if self.dry_run else "",

@@ -42,6 +42,7 @@ class RayCluster:
     admin_token: str | None = None
     num_cpus: int | None = None  # logical CPUs of a local Ray (default: the machine's)
     heartbeat_ttl_s: float = 3.0
+    placement_timeout_s: float = 300.0  # a worker not placed this long is dropped
 
     def __post_init__(self) -> None:
         self.registry: Registry | None = None
@@ -65,6 +66,7 @@ class RayCluster:
             self.decode_engine,
             self.host,
             self.heartbeat_ttl_s,
+            placement_timeout_s=self.placement_timeout_s,
             prefill=self.prefill_pool,
             decode=self.decode_pool,
         )

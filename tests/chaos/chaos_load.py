@@ -7,21 +7,28 @@ cancelling each one at a random point; every request's `Outcome` is kept. `check
 asserts what a fault may never cost: a request that did not end, a client that waited past its
 deadline, an error outside the scenario's allowed ones (never INVALID_ARGUMENT for a server-side
 failure), a completed greedy output that differs from the offline engine's.
+`check_no_process_left` and `running_clean` check by pid that a cluster leaves no process behind
+(`cluster_processes`: every process naming its registry).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import httpx2 as httpx
-from cluster_helpers import generate_request, grpc_stream, sse_events
+import psutil
+from cluster_helpers import generate_request, grpc_stream, redis_pid, running, sse_events, wait_for
 
+from router.router_server import RouterAddress
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.v1 import api_pb2_grpc
 
@@ -31,6 +38,7 @@ MAX_TOKENS = 12
 DEADLINE_S = 30.0  # each request's own, on the client and in the router
 DEADLINE_SLACK_S = 2.0  # a client may see the end this much after its deadline (a busy machine)
 CANCELLED = "cancelled by the client"
+CONNECTION_LOST = "http connection lost"
 
 
 def prompt_ids(i: int) -> list[int]:
@@ -170,6 +178,8 @@ class Load:
                             error = None
         except httpx.TimeoutException:
             error = "the client's timeout"
+        except httpx.TransportError:  # refused, or cut mid-stream: the router is gone
+            error = CONNECTION_LOST
         return Outcome("http", prompt, (), text, error, time.monotonic() - start)
 
 
@@ -197,16 +207,16 @@ def check_outcomes(
     return kinds
 
 
-def reference_of(cluster: LocalCluster, offline: dict[int, list[int]]) -> Reference:
-    """Each prompt's greedy tokens and the text the router makes of them, from one request on
-    the undisturbed cluster, whose tokens must equal the offline engine's."""
-    assert cluster.address is not None
+def reference_of(address: RouterAddress | None, offline: dict[int, list[int]]) -> Reference:
+    """Each prompt's greedy tokens and the text the router makes of them, from one request to
+    the undisturbed cluster's router, whose tokens must equal the offline engine's."""
+    assert address is not None
     reference: Reference = {}
     for i, tokens in offline.items():
         got: list[int] = []
         text = ""
         with grpc_stream(
-            cluster.address.grpc_target, ids=prompt_ids(i), max_tokens=MAX_TOKENS,
+            address.grpc_target, ids=prompt_ids(i), max_tokens=MAX_TOKENS,
             temperature=0.0, ignore_eos=True,
         ) as call:  # fmt: skip
             for msg in call:
@@ -215,3 +225,38 @@ def reference_of(cluster: LocalCluster, offline: dict[int, list[int]]) -> Refere
         assert got == tokens, f"prompt {i}: the cluster's greedy output is not the offline one"
         reference[i] = (tokens, text)
     return reference
+
+
+def cluster_processes(registry_url: str) -> set[int]:
+    """The pids of every live process that names this cluster's registry on its command line:
+    its worker processes (`--redis URL`), a `tandem router` on it, and the embedded redis-server
+    (whose title names its socket). After a scenario these are exactly the cluster's current
+    processes; after it stops, none: nothing is left behind."""
+    key = registry_url.removeprefix("unix://")
+    found = set()
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        if any(key in arg for arg in p.info["cmdline"] or []):
+            found.add(p.pid)
+    return found
+
+
+def check_no_process_left(cluster: LocalCluster) -> None:
+    """The cluster's processes are its live workers and its Redis: no killed worker survives,
+    no stray one runs beside its replacement."""
+    assert cluster.registry is not None
+    url = cluster.registry.url
+    expected = {w.process.pid for w in cluster.workers if w.process.poll() is None}
+    expected.add(redis_pid(url) or -1)
+    assert cluster_processes(url) == expected
+
+
+@contextlib.contextmanager
+def running_clean(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """`running` (start; stop however the block ends), then no process of it left."""
+    with running(cluster):
+        assert cluster.registry is not None
+        url = cluster.registry.url
+        yield cluster
+    wait_for(lambda: not cluster_processes(url), 20.0, "every process of the cluster to end")

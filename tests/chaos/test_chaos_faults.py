@@ -2,12 +2,15 @@
 the tiny random Llama whose dead worker processes are started again, as `tandem serve --no-ray`
 does: a prefill worker SIGKILLed (its prefills retried on the other one), a decode worker
 SIGKILLed (its streams migrate), a storm of client cancels over both APIs, and (`make chaos`)
-the embedded Redis SIGKILLed or paused past the heartbeat TTL.
+the embedded Redis SIGKILLed or paused past the heartbeat TTL. The checks every scenario ends
+with (no process left behind among them) are in `chaos_load.py`; `test_chaos_stop.py` has the
+router restart and the SIGTERM of a whole `tandem serve --no-ray`.
 
 Each scenario asserts: every request ends, completed or with an error the fault allows, and no
 client waits past its deadline; each completed greedy output equals the offline engine's; the
 cluster serves again within RECOVERY_S of the fault; once the load stops and the dead worker is
-back, no worker holds a request or a KV block and the router holds nothing.
+back, no worker holds a request or a KV block, the router holds nothing, and the cluster's
+processes are exactly its live workers and Redis.
 """
 
 from __future__ import annotations
@@ -21,10 +24,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from chaos_load import TTL_S, WORKER_ARGS, Load, Reference, check_outcomes, reference_of
+import redis
+from chaos_load import (
+    TTL_S,
+    WORKER_ARGS,
+    Load,
+    Reference,
+    check_no_process_left,
+    check_outcomes,
+    reference_of,
+    running_clean,
+)
 from cluster_helpers import (
     redis_pid,
-    running,
     sigkill,
     wait_for,
     wait_router_idle,
@@ -55,13 +67,13 @@ def cluster(tiny_llama_path: Path) -> Iterator[LocalCluster]:
         router=RouterConfig(str(tiny_llama_path), decode_wait_s=60.0),
         restart_workers=True,
     )
-    with running(local):
+    with running_clean(local):
         yield local
 
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster, offline_tokens: dict[int, list[int]]) -> Reference:
-    return reference_of(cluster, offline_tokens)
+    return reference_of(cluster.address, offline_tokens)
 
 
 def under_load(
@@ -88,13 +100,17 @@ def under_load(
     kinds = check_outcomes(outcomes, reference, allowed)
 
     def whole() -> bool:
-        listed = workers(cluster)
+        try:
+            listed = workers(cluster)
+        except redis.ConnectionError:  # a killed Redis is not back yet
+            return False
         roles = Counter(w.role for w in listed)
         return roles == {"prefill": 2, "decode": 2} and victim not in {w.worker_id for w in listed}
 
     wait_for(whole, 60.0, "the killed worker's replacement to be listed in its place")
     wait_router_idle(cluster, 10.0)
     wait_workers_idle(workers(cluster), 10.0)  # no request, no KV block held anywhere
+    check_no_process_left(cluster)
     return kinds
 
 

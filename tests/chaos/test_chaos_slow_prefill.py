@@ -16,8 +16,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chaos_load import WORKER_ARGS, Load, Reference, check_outcomes, reference_of
-from cluster_helpers import running, scrape, wait_for, wait_router_idle, wait_workers_idle, workers
+from chaos_load import (
+    WORKER_ARGS,
+    Load,
+    Reference,
+    check_no_process_left,
+    check_outcomes,
+    reference_of,
+    running_clean,
+)
+from cluster_helpers import scrape, wait_for, wait_router_idle, wait_workers_idle, workers
 
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import FAULT_PREFILL_STEP_DELAY
@@ -41,7 +49,7 @@ def slowed_cluster(
     )
     with pytest.MonkeyPatch.context() as env:  # the worker processes inherit it
         env.setenv(FAULT_PREFILL_STEP_DELAY, str(step_delay_s))
-        with running(local):
+        with running_clean(local):
             yield local
 
 
@@ -60,13 +68,14 @@ def run_load(cluster: LocalCluster, reference: Reference, requests: int, clients
     check_outcomes(outcomes, reference, SERVER_TIMEOUTS)
     wait_router_idle(cluster, 10.0)
     wait_workers_idle(workers(cluster), 10.0)
+    check_no_process_left(cluster)
 
 
 def test_a_prefill_slowed_past_its_deadline_falls_back_and_completes(
     slowed: LocalCluster, offline_tokens: dict[int, list[int]]
 ) -> None:
     # The reference requests go through the slowed prefill worker too: they fall back already.
-    reference = reference_of(slowed, offline_tokens)
+    reference = reference_of(slowed.address, offline_tokens)
     run_load(slowed, reference, requests=4, clients=2)
     (decode,) = workers(slowed, "decode")
     failures = scrape(decode.metrics_url)
@@ -80,7 +89,7 @@ def test_a_prefill_queue_longer_than_the_deadline_is_renewed(
     for cluster in slowed_cluster(
         tiny_llama_path, 0.3 * TRANSFER_TIMEOUT_S, ("--max-num-seqs", "1")
     ):
-        reference = reference_of(cluster, offline_tokens)
+        reference = reference_of(cluster.address, offline_tokens)
         router = cluster.router_server.router  # type: ignore[union-attr]
         assert router is not None
         local_before = router.local_prefills

@@ -12,6 +12,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -212,6 +213,16 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, every_s: f
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(every_s)
+
+
+def wait_printed(process: subprocess.Popen[bytes], log: Path, text: str, timeout_s: float) -> None:
+    """Until `process` has written `text` into `log`; fails the test, showing the log, if it
+    exits first or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while text not in log.read_text(errors="replace"):
+        assert process.poll() is None, f"exited:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {text!r} in {timeout_s} s:\n{log.read_text()}"
+        time.sleep(0.2)
 
 
 def workers(cluster: LocalCluster, role: str | None = None) -> list[WorkerRecord]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx2 as httpx
 import psutil
 import pytest
+from cluster_helpers import wait_printed
 
 START_TIMEOUT_S = 90.0
 RESTART_TIMEOUT_S = 60.0  # a dead worker's process is noticed in 1 s, then starts and registers
@@ -37,11 +38,7 @@ def serving(model: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
         launcher = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     started = [launcher.pid]
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while "ready" not in log.read_text(errors="replace"):
-            assert launcher.poll() is None, f"serve exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"serve did not start:\n{log.read_text()}"
-            time.sleep(0.2)
+        wait_printed(launcher, log, "ready", START_TIMEOUT_S)
         started += [p.pid for p in started_processes(launcher.pid)]
         yield launcher
     finally:

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from tandem.cluster.pools import ClusterSpec, PoolController, PoolSpec, placement_reason
+from tandem.cluster.autoscaler import AutoscalerConfig, ClusterMetrics, Decision
+from tandem.cluster.pools import (
+    ClusterSpec,
+    ControllerLoop,
+    PoolController,
+    PoolSpec,
+    placement_reason,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,4 +56,33 @@ def test_a_resource_taken_for_now_is_waited_for() -> None:
     assert reason == "waiting for resources: needs GPU 2, free GPU 1"
     assert placement_reason(bundles, {"CPU": 8.0, "GPU": 4.0}, {"CPU": 8.0, "GPU": 4.0}) == (
         "placing"
+    )
+
+
+@pytest.mark.usefixtures("local_ray")
+def test_the_controller_counts_pending_workers_and_holds_a_manual_size() -> None:
+    """The autoscaler sees the pending worker, and a size set by `scale` (the operator's) stops
+    it from growing the pool; `apply` (its own decisions) holds nothing."""
+    spec = ClusterSpec("no-model", "redis://unused", decode=PoolSpec(64.0))
+    loop = ControllerLoop(
+        spec, prefill=0, decode=0, interval_s=3600.0, autoscale=AutoscalerConfig()
+    )
+    try:
+        loop.apply(Decision(0.0, "prefill", 0, 0, "test", overloaded(0.0)))
+        loop.scale(decode=1)
+        loop.reconcile()
+        loop.reconcile()
+        assert loop.pending("decode") == 1 and loop.pending("prefill") == 0
+        assert loop.autoscaler is not None
+        now = time.monotonic()
+        decisions = [d for t in (now, now + 60.0) for d in loop.autoscaler.observe(overloaded(t))]
+        assert [d.pool for d in decisions] == ["prefill"]  # decode is held, prefill is not
+    finally:
+        loop.shutdown()
+
+
+def overloaded(t: float) -> ClusterMetrics:
+    """Both pools far over their SLOs."""
+    return ClusterMetrics(
+        t, 1, 1, ttft_p90_s=9.0, tpot_p90_s=9.0, prefill_queue=50, decode_kv_usage=0.99
     )

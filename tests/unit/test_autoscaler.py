@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -151,3 +152,43 @@ def test_replay_is_deterministic() -> None:
         )  # fmt: skip
 
     assert replay(series(300, wave)) == replay(series(300, wave))
+
+
+def overloaded(t: float, pending_prefill: int = 0) -> ClusterMetrics:
+    return ClusterMetrics(
+        t, 1, 1, ttft_p90_s=3.0, tpot_p90_s=0.05, prefill_queue=12, decode_kv_usage=0.3,
+        pending_prefill=pending_prefill,
+    )  # fmt: skip
+
+
+def test_pending_workers_count_and_the_pool_does_not_grow_while_they_wait() -> None:
+    scaler = Autoscaler(CONFIG)
+    # One prefill worker serves, one more waits for a placement: no second one is asked for.
+    assert [d for t in range(0, 200, 10) for d in scaler.observe(overloaded(t, 1))] == []
+    # Once it serves (2 of them, still over the SLO), the pool grows from 2, not from 1.
+    (d,) = [d for t in (200, 210) for d in scaler.observe(replace(overloaded(t), num_prefill=2))]
+    assert (d.pool, d.current, d.target) == ("prefill", 2, 3)
+    # A scale-down counts the pending ones too: 1 serving + 1 pending -> 1.
+    scaler = Autoscaler(CONFIG)
+    downs = [
+        d for t in range(0, 100, 10) for d in scaler.observe(replace(quiet(t), pending_decode=1))
+    ]
+    assert [(d.pool, d.current, d.target) for d in downs] == [("decode", 2, 1)]
+
+
+def test_a_manual_size_holds_the_autoscaler_off_that_pool_for_its_hold_time() -> None:
+    scaler = Autoscaler(CONFIG)
+    scaler.hold("prefill", at=0.0)
+    held = [
+        d for t in range(0, int(CONFIG.manual_hold_s), 10) for d in scaler.observe(overloaded(t))
+    ]
+    assert held == []
+    # After the hold, the usual streak of breaches: the second observation acts.
+    start = CONFIG.manual_hold_s
+    (d,) = [d for t in (start, start + 10) for d in scaler.observe(overloaded(t))]
+    assert (d.pool, d.time) == ("prefill", start + 10)
+    # The other pool was never held: an overloaded decode pool grows during a prefill hold.
+    scaler = Autoscaler(CONFIG)
+    scaler.hold("prefill", at=0.0)
+    slow = [replace(overloaded(t), tpot_p90_s=0.5) for t in (0, 10)]
+    assert [d.pool for m in slow for d in scaler.observe(m)] == ["decode"]

@@ -17,8 +17,10 @@ from typing import Any
 import grpc
 import httpx2 as httpx
 import pytest
+from typer.testing import CliRunner
 
 from router.router_server import RouterAddress, RouterServer
+from tandem.cli import app
 from tandem.config import RouterConfig
 from tandem.registry import Registry, WorkerRecord
 from tandem.v1 import api_pb2, api_pb2_grpc, kv_transfer_pb2, worker_pb2, worker_pb2_grpc
@@ -126,3 +128,16 @@ def test_no_replacement_in_time_is_unavailable_and_a_deadline_first_is_504(
         assert r.status_code == 504, r.text
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("command", ["serve", "router"])
+@pytest.mark.parametrize(
+    ("flag", "field"),
+    [("--decode-wait-s", "decode_wait_s"), ("--max-decode-waiters", "max_decode_waiters")],
+)
+def test_the_wait_is_a_serve_and_router_option(command: str, flag: str, field: str) -> None:
+    """The flags reach RouterConfig: a bad value is refused naming the field, before anything
+    starts (`serve --no-ray` builds the router's config first)."""
+    args = [command, flag, "-1"] + (["--no-ray"] if command == "serve" else [])
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, ValueError) and field in str(result.exception)

@@ -95,7 +95,7 @@ class Remote:
     def __init__(self, value: object) -> None:
         self.value = value
 
-    def remote(self) -> Any:
+    def remote(self, *args: object) -> Any:
         async def result() -> object:
             return self.value
 
@@ -118,29 +118,48 @@ class ControllerDouble:
         error = f"dropped a decode worker not placed in 300 s: {self.REASON}"
         self.status = Remote(slots)
         self.recent_events = Remote([{"time": 0.0, "role": "decode", "error": error}])
+        self.scale = Remote({"prefill": 1, "decode": 2})
 
 
-def test_status_shows_pending_workers_with_their_reason_and_the_controllers_errors(
-    tiny_llama_path: Path,
-) -> None:
+@pytest.fixture(scope="module")
+def controlled_router(tiny_llama_path: Path) -> Iterator[str]:
+    """A router whose controller is the double: its gRPC target."""
     with Registry() as registry:
         config = RouterConfig(str(tiny_llama_path))
         server = RouterServer(
             config, registry.url, http_port=0, grpc_port=0, controller=ControllerDouble()
         )
         try:
-            target = server.start().grpc_target
-            result = CliRunner().invoke(app, ["status", "--router", target, "--json"])
-            assert result.exit_code == 0, result.output
-            reply = json.loads(result.stdout)
-            assert reply["pending"] == [
-                {"role": "decode", "state": "pending", "reason": ControllerDouble.REASON,
-                 "age_s": 12.0},
-            ]  # fmt: skip
-            assert [e["role"] for e in reply["events"]] == ["decode"]
-            result = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["status", "--router", target])
-            lines = result.stdout.splitlines()
-            assert f"decode worker pending for 12 s: {ControllerDouble.REASON}" in lines
-            assert lines[-1].startswith("error at ") and "dropped a decode worker" in lines[-1]
+            yield server.start().grpc_target
         finally:
             server.stop()
+
+
+def test_scale_prints_the_worker_it_could_not_place_with_the_reason(controlled_router: str) -> None:
+    command = ["scale", "--decode", "2", "--router", controlled_router, "--wait", "60"]
+    started = time.monotonic()
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert time.monotonic() - started < 30  # infeasible: no point waiting the whole minute
+    lines = result.stdout.splitlines()
+    assert lines[:2] == ["desired: 1 prefill, 2 decode", "not serving yet:"]
+    assert lines[2] == f"  decode worker pending for 12 s: {ControllerDouble.REASON}"
+    assert len(lines) == 3  # the event recorded before this scale is not repeated
+
+
+def test_status_shows_pending_workers_with_their_reason_and_the_controllers_errors(
+    controlled_router: str,
+) -> None:
+    target = controlled_router
+    result = CliRunner().invoke(app, ["status", "--router", target, "--json"])
+    assert result.exit_code == 0, result.output
+    reply = json.loads(result.stdout)
+    assert reply["pending"] == [
+        {"role": "decode", "state": "pending", "reason": ControllerDouble.REASON,
+         "age_s": 12.0},
+    ]  # fmt: skip
+    assert [e["role"] for e in reply["events"]] == ["decode"]
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(app, ["status", "--router", target])
+    lines = result.stdout.splitlines()
+    assert f"decode worker pending for 12 s: {ControllerDouble.REASON}" in lines
+    assert lines[-1].startswith("error at ") and "dropped a decode worker" in lines[-1]
