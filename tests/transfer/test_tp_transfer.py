@@ -13,9 +13,11 @@ error, the worker leaves the registry within its TTL and reports itself lost.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -59,12 +61,18 @@ def reference(smollm2_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def workers(smollm2_path: Path) -> Iterator[dict[str, PrefillWorker | DecodeWorker]]:
-    """P1, P3, D1, D3 by name; the prefill workers pick the plane each test asks for."""
-    made: dict[str, PrefillWorker | DecodeWorker] = {}
+    """P1, P3, D1, D3 by name; the prefill workers pick the plane each test asks for. Built
+    at once: their ranks load side by side."""
     fail = TransferConfig(on_failure="fail")
-    for tp in (1, 3):
-        made[f"P{tp}"] = PrefillWorker(_config(smollm2_path, tp))
-        made[f"D{tp}"] = DecodeWorker(_config(smollm2_path, tp), transfer=fail)
+    builders: dict[str, Callable[[], PrefillWorker | DecodeWorker]] = {}
+    for tp in (3, 1):
+        builders[f"P{tp}"] = functools.partial(PrefillWorker, _config(smollm2_path, tp))
+        builders[f"D{tp}"] = functools.partial(
+            DecodeWorker, _config(smollm2_path, tp), transfer=fail
+        )
+    with ThreadPoolExecutor(len(builders)) as pool:
+        futures = {name: pool.submit(build) for name, build in builders.items()}
+        made = {name: future.result() for name, future in futures.items()}
     for worker in made.values():
         worker.start()
     yield made
