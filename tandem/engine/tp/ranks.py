@@ -177,9 +177,10 @@ class RankProcesses:
 
     def kv_caches(self, own: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Rank r's KV cache tensors (per layer) at [r], rank 0's being `own`: the others'
-        mapped into this process (shared memory, CUDA IPC). Call between steps."""
+        mapped into this process (shared memory, CUDA IPC). Call between steps, at the start:
+        a rank moves its CPU cache into shared memory first (a copy of its KV budget)."""
         send_control(self.group, SHARE_KV)
-        timeout = self.group.timeout.total_seconds()
+        timeout = LOAD_TIMEOUT.total_seconds()
         shared = dict(self._kv_queue.get(timeout=timeout) for _ in self.processes)
         return [own, *(shared[rank] for rank in range(1, self.group.size))]
 
