@@ -353,13 +353,13 @@ def worker(
         on_failure=on_transfer_failure,
         timeout_s=transfer_timeout,
     )
-    try:
-        worker_config = WorkerConfig(
-            config, transfer, host, port, redis, metrics_port, heartbeat_ttl_s=ttl
+    try:  # a bad configuration (e.g. a TP size the model cannot split) names its field
+        server = build_worker(
+            role,
+            WorkerConfig(config, transfer, host, port, redis, metrics_port, heartbeat_ttl_s=ttl),
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
-    server = build_worker(role, worker_config)
     console.print(f"{role} worker {server.worker_id} on {server.endpoint}")
     if not server.serve_until(stop):
         raise typer.Exit(1)  # a rank died: the supervisor starts the worker again
