@@ -97,7 +97,9 @@ class DecodeWorker(EngineLoop):
         engine = self.engine
         self.shm: SharedCache | None = None
         device = engine.runner.device
-        if shared_memory and can_share(device):
+        tensor_parallel = config.model.tensor_parallel_size > 1
+        # A ticket names one shared cache; a TP worker's KV is its ranks' caches (gRPC, pair).
+        if shared_memory and can_share(device) and not tensor_parallel:
             layout = KVLayout.of(engine.runner.kv_caches)
 
             def share() -> list[torch.Tensor]:
@@ -105,9 +107,9 @@ class DecodeWorker(EngineLoop):
                 return self.shm.kv_caches
 
             engine.runner.use_kv_caches(share)
-        fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
+        fingerprint = model_fingerprint(engine.executor.model_config, engine.model_path)
         self.receiver = KVReceiver(
-            engine.runner.kv_caches, fingerprint, host, port, self.shm, enable_pairs
+            engine.executor.kv_view(), fingerprint, host, port, self.shm, enable_pairs
         )
         self.arrivals = engine.executor.arrivals(self.receiver, engine.scheduler)
         self.transfer = transfer

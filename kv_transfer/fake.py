@@ -9,11 +9,12 @@ fake hands the inner plane one layer at a time, so a hook at layer l runs with l
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from kv_transfer.planes import DataPlane
+from tandem.engine.tp.kv_view import KVLayer
 from tandem.v1 import kv_transfer_pb2 as pb
 
 
@@ -34,7 +35,7 @@ class FaultyPlane(DataPlane):
         self.inner.fill_header(header)
 
     def send_layers(
-        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+        self, layers: range, kv_caches: Sequence[KVLayer], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
         for layer in layers:
             self.before_layer(layer)

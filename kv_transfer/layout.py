@@ -21,6 +21,12 @@ Copies on CPU follow the shape of the slots, and never touch fresh memory they d
 - a gather can write into a staging tensor the caller reuses (the pair plane's);
 - large indexed copies run on a few threads; the layers that a shared-memory copy finds ready
   together go over them whole, a share of the layers each (`plan_layer_copy`).
+
+A tensor-parallel worker's layer is a `HeadShards` (tandem/engine/tp/kv_view.py): the ranks'
+tensors, each holding some of the heads. The wire tensor still has every head in order: a
+gather joins the ranks' heads (a replicated head read once), a scatter writes each rank its heads
+(every rank that holds one), through one staging tensor per layer; the in-place row paths are
+for single tensors.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import torch
 
 from tandem.engine import native
 from tandem.engine.kv_quant import copy_slots, decode, encode, select_slots
+from tandem.engine.tp.kv_view import HeadShards, KVLayer
 
 
 def slot_mapping(
@@ -67,15 +74,16 @@ def _copy_pool() -> ThreadPoolExecutor:
     return pool
 
 
-def rows_of(cache: torch.Tensor, slots_per_row: int = 1) -> np.ndarray:
+def rows_of(cache: KVLayer, slots_per_row: int = 1) -> np.ndarray:
     """A CPU cache layer as a flat array of raw rows, each `slots_per_row` slots of K (or V)
     as one item: the K rows of every slot, then the V rows. [2 * num_slots // slots_per_row]"""
+    assert isinstance(cache, torch.Tensor), "a rank's heads are gathered, not seen as rows"
     raw = cache.view(torch.uint8).numpy().reshape(2 * cache.shape[1] * cache.shape[2], -1)
     row = np.dtype((np.void, raw.shape[1] * slots_per_row))
     return raw.reshape(-1).view(row)
 
 
-def row_nbytes(cache: torch.Tensor) -> int:
+def row_nbytes(cache: KVLayer) -> int:
     """Bytes of one token's K (or V) over all heads: a row of the wire tensor."""
     return cache.shape[3] * cache.shape[4] * cache.element_size()
 
@@ -157,12 +165,15 @@ def _put(rows: np.ndarray, index: np.ndarray, src: np.ndarray) -> None:
 
 
 def gather_tokens(
-    cache: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None
+    cache: KVLayer, slots: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One layer's KV of the given slots as a contiguous wire tensor (written into `out`, a
     contiguous tensor of the cache's device, dtype and that shape, when given).
 
     cache: [2, num_blocks, block_size, heads, slot_dim] -> [2, num_tokens, heads, slot_dim]"""
+    if isinstance(cache, HeadShards):  # each rank's heads, joined in head order
+        parts = [gather_tokens(c, slots.to(c.device)).to(cache.device) for c in cache.distinct()]
+        return torch.cat(parts, dim=2, out=out) if out is not None else torch.cat(parts, dim=2)
     if cache.device.type == "cpu":
         rows = rows_of(cache)
         target = None if out is None else out.view(torch.uint8).numpy().reshape(-1).view(rows.dtype)
@@ -177,12 +188,12 @@ def gather_tokens(
     return out
 
 
-def wire_pieces(cache: torch.Tensor, slots: torch.Tensor) -> list[memoryview]:
+def wire_pieces(cache: KVLayer, slots: torch.Tensor) -> list[memoryview]:
     """One layer's wire tensor as flat byte pieces in order (K rows, then V rows).
 
     On CPU, where runs of consecutive slots are long enough, the pieces are views of the cache
     itself, one per run: valid only while the blocks are held. Otherwise one gathered copy."""
-    if cache.device.type == "cpu":
+    if isinstance(cache, torch.Tensor) and cache.device.type == "cpu":
         index = kv_rows(slots, cache.shape[1] * cache.shape[2])
         runs = row_runs(index)
         if (len(runs) - 1) * MIN_VIEW_RUN <= len(index):
@@ -195,8 +206,8 @@ def wire_pieces(cache: torch.Tensor, slots: torch.Tensor) -> list[memoryview]:
 
 
 def plan_copy(
-    src: torch.Tensor, src_slots: torch.Tensor, dst: torch.Tensor, dst_slots: torch.Tensor
-) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    src: KVLayer, src_slots: torch.Tensor, dst: KVLayer, dst_slots: torch.Tensor
+) -> Callable[[KVLayer, KVLayer], None]:
     """A copy of the KV of `src_slots` into `dst_slots` between two caches shaped as `src` and
     `dst` (one layer each; e.g. the prefill cache and a decode worker's shared memory), planned
     once for every layer of a transfer: call it with each (source layer, destination layer).
@@ -205,7 +216,7 @@ def plan_copy(
     both sides at once; NumPy copies a few runs as slices, else whole blocks where the block
     sizes match (the last block copied whole: its tail slots belong to the same reservation and
     are not read before they are written), else token rows."""
-    if src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype:
+    if not _same_cpu_format(src, dst):
         return lambda s_layer, d_layer: scatter_tokens(
             d_layer, dst_slots, gather_tokens(s_layer, src_slots)
         )
@@ -216,7 +227,7 @@ def plan_copy(
         if len(runs) - 1 <= MAX_SLICE_RUNS:
             slices = [(s[a], d[a], b - a) for a, b in itertools.pairwise(runs)]
 
-            def copy_slices(s_layer: torch.Tensor, d_layer: torch.Tensor) -> None:
+            def copy_slices(s_layer: KVLayer, d_layer: KVLayer) -> None:
                 src_rows, dst_rows = rows_of(s_layer), rows_of(d_layer)
                 for at, to, n in slices:
                     dst_rows[to : to + n] = src_rows[at : at + n]
@@ -233,9 +244,9 @@ def plan_copy(
 
 
 def plan_layer_copy(
-    src: Sequence[torch.Tensor],
+    src: Sequence[KVLayer],
     src_slots: torch.Tensor,
-    dst: Sequence[torch.Tensor],
+    dst: Sequence[KVLayer],
     dst_slots: torch.Tensor,
 ) -> Callable[[range, float], bool]:
     """`plan_copy` for runs of layers of two caches (lists of layers): call it with each run of
@@ -261,7 +272,7 @@ def plan_layer_copy(
         return True
 
     ext = _native()
-    if ext is None or not cpu or src[0].dtype != dst[0].dtype or COPY_THREADS == 1:
+    if ext is None or not _same_cpu_format(src[0], dst[0]) or COPY_THREADS == 1:
         return layer_by_layer
     s = kv_rows(src_slots, src[0].shape[1] * src[0].shape[2])
     d = kv_rows(dst_slots, dst[0].shape[1] * dst[0].shape[2])
@@ -285,6 +296,12 @@ def plan_layer_copy(
     return over_threads
 
 
+def _same_cpu_format(a: KVLayer, b: KVLayer) -> bool:
+    """Two single CPU tensors of one dtype: rows copy between them as they are."""
+    tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return tensors and a.device.type == b.device.type == "cpu" and a.dtype == b.dtype
+
+
 def wait_for_copy(*devices: torch.device) -> None:
     """Until the work queued so far on each CUDA device's current stream has run (not what is
     queued after it: an event, not a stream synchronize)."""
@@ -295,11 +312,16 @@ def wait_for_copy(*devices: torch.device) -> None:
             event.synchronize()
 
 
-def scatter_tokens(cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+def scatter_tokens(cache: KVLayer, slots: torch.Tensor, tokens: torch.Tensor) -> None:
     """Write a wire tensor [2, num_tokens, heads, slot_dim] into the given slots.
 
     Another dtype is converted through float32: a cast between float caches, (de)quantization
     where one side is int8/fp8; the same dtype is copied byte for byte, scales included."""
+    if isinstance(cache, HeadShards):  # each rank its heads
+        for c, first in zip(cache.caches, cache.first_heads, strict=True):
+            heads = tokens[:, :, first : first + c.shape[3]].contiguous()
+            scatter_tokens(c, slots.to(c.device), heads)
+        return
     tokens = tokens.to(cache.device)
     if tokens.dtype != cache.dtype:
         tokens = encode(decode(tokens, torch.float32), cache.dtype)
@@ -309,9 +331,7 @@ def scatter_tokens(cache: torch.Tensor, slots: torch.Tensor, tokens: torch.Tenso
     copy_slots(cache.view(2, -1, *cache.shape[3:]), 1, slots, tokens)
 
 
-def scatter_rows(
-    cache: torch.Tensor, slots: torch.Tensor, first_row: int, data: memoryview
-) -> None:
+def scatter_rows(cache: KVLayer, slots: torch.Tensor, first_row: int, data: memoryview) -> None:
     """Write whole wire rows, from row `first_row` of a layer's wire tensor on (row r <
     num_tokens is the K of token r, row num_tokens + r its V), into the slots of a CPU cache of
     the same format."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch.distributed import Work
@@ -26,6 +26,7 @@ from kv_transfer.shm import SharedCache
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
 from kv_transfer.wire import layer_message
+from tandem.engine.tp.kv_view import KVLayer
 from tandem.v1 import kv_transfer_pb2 as pb
 
 
@@ -37,7 +38,7 @@ class DataPlane(ABC):
 
     @abstractmethod
     def send_layers(
-        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+        self, layers: range, kv_caches: Sequence[KVLayer], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
         """Move the KV of `slots` in `kv_caches[l]` (the sender's cache) for each l in `layers`
         to the receiver, not after `deadline` (time.monotonic()) when writing into the
@@ -57,7 +58,7 @@ class GrpcPlane(DataPlane):
         self.chunk_bytes = chunk_bytes
 
     def send_layers(
-        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+        self, layers: range, kv_caches: Sequence[KVLayer], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
         row = row_nbytes(kv_caches[0])
         chunk = max(1, self.chunk_bytes // row) * row  # whole rows: the receiver writes in place
@@ -93,7 +94,7 @@ class PairPlane(DataPlane):
         header.tag_base = self.tag_base
 
     def send_layers(
-        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+        self, layers: range, kv_caches: Sequence[KVLayer], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
         # A marker follows the sends it announces (the receiver waits on those recvs only, and
         # Gloo moves no bytes before they are posted), after 1, 2, 4, ... layers up to
@@ -136,7 +137,7 @@ class ShmPlane(DataPlane):
         self._copy: Callable[[range, float], bool] | None = None
 
     def send_layers(
-        self, layers: range, kv_caches: list[torch.Tensor], slots: torch.Tensor, deadline: float
+        self, layers: range, kv_caches: Sequence[KVLayer], slots: torch.Tensor, deadline: float
     ) -> Iterator[bytes]:
         if self._copy is None:  # the same slots for every layer: planned once
             self._copy = plan_layer_copy(kv_caches, slots, self.targets, self.dst_slots)

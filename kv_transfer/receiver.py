@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -48,6 +48,7 @@ from kv_transfer.wire import (
     tensor_from_proto,
 )
 from tandem.config import GRPC_OPTIONS
+from tandem.engine.tp.kv_view import KVLayer
 from tandem.messages import logprobs_from_proto
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -113,7 +114,7 @@ class KVReceiver:
 
     def __init__(
         self,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[KVLayer],
         model_fingerprint: str,
         host: str = "127.0.0.1",
         port: int = 0,

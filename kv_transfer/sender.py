@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 
 import grpc
 import torch
@@ -43,6 +43,7 @@ from kv_transfer.state import (
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
 from kv_transfer.wire import PUSH_METHOD, tensor_to_proto
 from tandem.config import GRPC_OPTIONS
+from tandem.engine.tp.kv_view import KVLayer
 from tandem.messages import logprobs_to_proto
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -66,7 +67,7 @@ class OutboundTransfer:
         self,
         sender: KVSender,
         ticket: KVTicket,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[KVLayer],
         call_timeout_s: float | None = None,
     ) -> None:
         self.sender = sender
@@ -369,7 +370,7 @@ class KVSender:
     def begin(
         self,
         ticket: KVTicket,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[KVLayer],
         call_timeout_s: float | None = None,
     ) -> OutboundTransfer:
         """Start a transfer from this worker's `kv_caches` as the ticket asks; the layers follow

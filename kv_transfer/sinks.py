@@ -19,6 +19,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -27,6 +28,7 @@ from kv_transfer.layout import from_bytes, scatter_rows, scatter_tokens
 from kv_transfer.pairs import WINDOW_BYTES, Pair, wait_done
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVLayout
+from tandem.engine.tp.kv_view import KVLayer
 from tandem.v1 import kv_transfer_pb2 as pb
 
 
@@ -44,7 +46,7 @@ def _bad(message: str) -> TransferError:
 
 class LayerSink(ABC):
     def __init__(
-        self, kv_caches: list[torch.Tensor], blocks: Blocks, layout: KVLayout, num_tokens: int
+        self, kv_caches: Sequence[KVLayer], blocks: Blocks, layout: KVLayout, num_tokens: int
     ) -> None:
         self.kv_caches = kv_caches
         self.blocks = blocks
@@ -83,7 +85,7 @@ class LayerSink(ABC):
 
 class GrpcSink(LayerSink):
     def __init__(
-        self, kv_caches: list[torch.Tensor], blocks: Blocks, layout: KVLayout, num_tokens: int
+        self, kv_caches: Sequence[KVLayer], blocks: Blocks, layout: KVLayout, num_tokens: int
     ) -> None:
         super().__init__(kv_caches, blocks, layout, num_tokens)
         cache = kv_caches[0]
@@ -92,7 +94,11 @@ class GrpcSink(LayerSink):
         self.received = 0  # bytes of the stream so far
         self.tail = b""  # bytes of an incomplete row (a sender that split rows)
         # Same format on a CPU cache: rows go from the message into the blocks.
-        self.in_place = cache.device.type == "cpu" and cache.dtype == layout.torch_dtype
+        self.in_place = (
+            isinstance(cache, torch.Tensor)
+            and cache.device.type == "cpu"
+            and cache.dtype == layout.torch_dtype
+        )
         self.staging: bytearray | None = None  # one layer's wire bytes otherwise
 
     def add(self, msg: pb.LayerChunk, data: memoryview, deadline: float) -> None:
@@ -135,7 +141,7 @@ class GrpcSink(LayerSink):
 class PairSink(LayerSink):
     def __init__(
         self,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[KVLayer],
         blocks: Blocks,
         layout: KVLayout,
         num_tokens: int,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 
 from tandem.engine.dtypes import KV_TORCH_DTYPES, TORCH_DTYPES
 from tandem.engine.kv_quant import head_dim_of, slot_dim, slot_nbytes
+from tandem.engine.tp.kv_view import KVLayer
 from tandem.model_config import ModelConfig
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -39,7 +41,7 @@ class KVLayout:
     dtype: str  # a key of CACHE_DTYPES: "float32", "bfloat16", "float16", "int8", "fp8"
 
     @classmethod
-    def of(cls, kv_caches: list[torch.Tensor]) -> KVLayout:
+    def of(cls, kv_caches: Sequence[KVLayer]) -> KVLayout:
         _, _, block_size, heads, dim = kv_caches[0].shape
         dtype = kv_caches[0].dtype
         return cls(

@@ -67,7 +67,8 @@ class PrefillWorker(EngineLoop):
         stream_layers = transfer.stream_layers
         super().__init__(EngineCore(config, PrefillRole(self, stream_layers)), "prefill-loop")
         engine = self.engine
-        self.fingerprint = model_fingerprint(engine.model.cfg, engine.model_path)
+        self.fingerprint = model_fingerprint(engine.executor.model_config, engine.model_path)
+        self.kv_caches = engine.executor.kv_view()  # every rank's heads under TP
         self.sender = sender or KVSender(
             self.fingerprint, host, transfer.channel, pair_idle_s=transfer.pair_idle_s
         )
@@ -110,8 +111,7 @@ class PrefillWorker(EngineLoop):
                 return
             self._futures[request_id] = result
             self._submitted[request_id] = submitted
-            caches = self.engine.runner.kv_caches
-            self._transfers[request_id] = self.sender.begin(ticket, caches, time_left_s)
+            self._transfers[request_id] = self.sender.begin(ticket, self.kv_caches, time_left_s)
 
         self.call(add)
         return result

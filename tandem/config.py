@@ -420,11 +420,14 @@ class WorkerConfig:
     heartbeat_ttl_s: float = 3.0  # the registry forgets a worker this long after its last beat
 
     def __post_init__(self) -> None:
-        tp = self.engine.model.tensor_parallel_size
-        if tp > 1:  # the KV transfer and the heartbeat know one process's cache
+        mc = self.engine.model
+        # A dead rank must fail the steps (and stop the heartbeat) before the registry would
+        # forget the worker anyway: its collectives wait at most tp_timeout_s.
+        if mc.tensor_parallel_size > 1 and mc.tp_timeout_s >= self.heartbeat_ttl_s:
             raise ValueError(
-                f"tensor_parallel_size={tp}: a worker runs one rank for now; tensor "
-                f"parallelism is in the offline engine (LLM, tandem generate --tp)"
+                f"tp_timeout_s={mc.tp_timeout_s:g} must be below heartbeat_ttl_s="
+                f"{self.heartbeat_ttl_s:g} for a worker of tensor_parallel_size="
+                f"{mc.tensor_parallel_size}"
             )
 
 

@@ -4,6 +4,10 @@ Prometheus `/metrics` endpoint, the Redis registration with a TTL heartbeat, and
 Lifecycle: start -> SERVING (registered, heartbeat every ttl/3) -> SIGTERM or `drain()`:
 NOT_SERVING, `draining` published (routers stop sending) -> after a grace, new work refused ->
 in-flight requests finish (up to the drain timeout) -> deregistered -> stopped.
+
+A worker whose engine is no longer healthy (a tensor-parallel rank died: tandem/engine/tp/)
+stops heartbeating at once, deregisters and reports itself `lost`: `serve_until` then stops it
+without draining, and its process exits for its supervisor to replace the whole worker.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tandem.v1 import worker_pb2 as wpb
 log = logging.getLogger(__name__)
 
 PREFIX_SUMMARY_SIZE = 4096
+LOST_POLL_S = 0.1  # how often `serve_until` looks whether the worker is lost
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -224,6 +229,7 @@ class WorkerServer:
         self.draining = False  # published; the worker refuses new work a grace period later
         self.started_at = time.time()
         self._stop = threading.Event()
+        self.lost = threading.Event()  # the engine cannot run steps any more
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=role),
             options=GRPC_OPTIONS,
@@ -249,7 +255,7 @@ class WorkerServer:
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self.registry is not None:
             self.registry.register(self.record(), self.ttl_s)
-            self._heartbeat.start()
+        self._heartbeat.start()
 
     def record(self) -> WorkerRecord:
         engine = self.worker.engine
@@ -273,12 +279,27 @@ class WorkerServer:
         )
 
     def _beat(self) -> None:
-        assert self.registry is not None
         while not self._stop.wait(self.ttl_s / 3):
+            if not self.worker.engine.executor.healthy:
+                self._lose()
+                return
+            if self.registry is None:
+                continue
             try:
                 self.registry.heartbeat(self.record(), self.ttl_s)
             except Exception as e:  # Redis blip: keep serving, retry next beat
                 log.warning("heartbeat failed: %s", e)
+
+    def _lose(self) -> None:
+        """The engine lost a rank: out of the registry now, and NOT_SERVING."""
+        log.error("a tensor-parallel rank is gone: leaving the registry")
+        self.lost.set()
+        self.health.enter_graceful_shutdown()
+        if self.registry is not None:
+            try:
+                self.registry.deregister(self.worker_id)
+            except Exception as e:  # the TTL takes it out anyway
+                log.warning("could not deregister: %s", e)
 
     def drain(self, timeout_s: float = 30.0, grace_s: float = 1.0) -> None:
         """Publish `draining` (routers stop picking this worker), keep accepting for `grace_s`
@@ -310,11 +331,16 @@ class WorkerServer:
         if hasattr(self, "_httpd"):
             self._httpd.shutdown()
 
-    def serve_until(self, stop: threading.Event) -> None:
-        """Block until `stop` is set (see `drain_signal`), then drain."""
-        stop.wait()
+    def serve_until(self, stop: threading.Event) -> bool:
+        """Block until `stop` is set (see `drain_signal`), then drain: True. Or until the
+        worker is `lost`, then stop it: False."""
+        while not stop.wait(LOST_POLL_S):
+            if self.lost.is_set():
+                self.stop()
+                return False
         log.info("draining")
         self.drain()
+        return True
 
 
 def drain_signal() -> threading.Event:

@@ -61,7 +61,7 @@ class ChannelReceiver:
         self.layout = layout
         self.shm = create_shared_cache(layout, num_blocks, self.device) if shm else None
         shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        caches = (
+        self.kv_caches = caches = (
             self.shm.kv_caches
             if self.shm is not None
             else [
@@ -112,9 +112,9 @@ class ChannelReceiver:
         shared-memory sender's stores would then find every line dirty in this process's cache
         (+1 ms at 512 tokens, measured), a handicap no memcpy reference and no engine has."""
         blocks = self.blocks[: math.ceil(num_tokens / self.layout.block_size)]
-        total = kv_checksum(self.receiver.kv_caches, blocks, num_tokens)
+        total = kv_checksum(self.kv_caches, blocks, num_tokens)
         slots = slot_mapping(blocks, self.layout.block_size, num_tokens, self.device)
-        for cache in self.receiver.kv_caches:
+        for cache in self.kv_caches:
             cache.view(2, -1, *cache.shape[3:]).index_fill_(1, slots, 0)
         _sync(self.device)
         return total

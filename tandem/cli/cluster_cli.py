@@ -21,6 +21,7 @@ from tandem.cli.options import (
     SpecCostOpt,
     SpecOpt,
     ToolParserOpt,
+    TPOpt,
     console,
     speculative_option,
 )
@@ -76,6 +77,12 @@ def serve(
     placement_timeout_s: Annotated[
         float, typer.Option(help="Ray: a worker not placed this long is dropped.")
     ] = 300.0,
+    prefill_tp: Annotated[
+        int, typer.Option(help="--no-ray: tensor-parallel ranks per prefill worker.")
+    ] = 1,
+    decode_tp: Annotated[
+        int, typer.Option(help="--no-ray: tensor-parallel ranks per decode worker.")
+    ] = 1,
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.local_cluster import LocalCluster
@@ -97,6 +104,11 @@ def serve(
     )
     cluster: Any
     if ray:
+        if prefill_tp > 1 or decode_tp > 1:
+            raise typer.BadParameter(
+                "tensor-parallel workers run as local processes for now: add --no-ray",
+                param_hint="--prefill-tp/--decode-tp",
+            )
         speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
         cluster = _ray_cluster(
             model, prefill, decode, address, listen, engine_options, speculative,
@@ -112,6 +124,7 @@ def serve(
         cluster = LocalCluster(
             model, prefill, decode, *listen, worker_args=worker_args, router=router,
             admin_token=admin_token, restart_workers=True,
+            prefill_args=["--tp", str(prefill_tp)], decode_args=["--tp", str(decode_tp)],
         )  # fmt: skip
     where = "Ray" if ray else "local processes"
     console.print(f"starting {prefill} prefill + {decode} decode workers of {model} on {where}")
@@ -331,9 +344,19 @@ def worker(
     sim_profile: Annotated[
         str | None, typer.Option(help="sim: profile JSON (tandem bench calibrate).")
     ] = None,
+    tp: TPOpt = 1,
+    tp_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="--tp: seconds a collective waits for a rank before the step fails; below "
+            "--ttl (default: half of it)."
+        ),
+    ] = None,
 ) -> None:
     """One worker: `prefill` computes prompts and pushes their KV to decode workers; `decode`
-    receives it and generates, with speculative decoding. SIGTERM drains it."""
+    receives it and generates, with speculative decoding. SIGTERM drains it. With `--tp N` it
+    is N local processes, this one rank 0; a rank that dies takes it out of the registry and
+    ends it (exit code 1), for its supervisor to start again."""
     from tandem.cluster.workers import build_worker
     from tandem.config import WorkerConfig
     from tandem.worker_server import drain_signal
@@ -349,7 +372,8 @@ def worker(
         enable_chunked_prefill=chunked_prefill, engine=engine, sim_profile=sim_profile,
         quantization=quantization, quant_group_size=quant_group_size,
         kernel_routes=kernel_routes, attention_backend=attention_backend,
-        cuda_graphs=cuda_graphs,
+        cuda_graphs=cuda_graphs, tensor_parallel_size=tp,
+        tp_timeout_s=tp_timeout if tp_timeout is not None else ttl / 2,
     )  # fmt: skip
     transfer = TransferConfig(
         channel=channel,
@@ -357,12 +381,16 @@ def worker(
         on_failure=on_transfer_failure,
         timeout_s=transfer_timeout,
     )
-    server = build_worker(
-        role,
-        WorkerConfig(config, transfer, host, port, redis, metrics_port, heartbeat_ttl_s=ttl),
-    )
+    try:  # a bad configuration (e.g. a TP size the model cannot split) names its field
+        server = build_worker(
+            role,
+            WorkerConfig(config, transfer, host, port, redis, metrics_port, heartbeat_ttl_s=ttl),
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     console.print(f"{role} worker {server.worker_id} on {server.endpoint}")
-    server.serve_until(stop)
+    if not server.serve_until(stop):
+        raise typer.Exit(1)  # a rank died: the supervisor starts the worker again
 
 
 def worker_engine_config(

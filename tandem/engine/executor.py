@@ -5,7 +5,10 @@ weights onto a `ModelRunner`; "sim" (sim.py) stands the real model's config, wit
 a `SimRunner` that sleeps the modelled step times, and has a decode worker see each KV arrival
 once its modelled transfer would be done. `EngineCore` and the workers use what is built here
 without knowing which kind it is. A real engine of `tensor_parallel_size` > 1 is rank 0 of that
-many ranks (`TPExecutor`, tandem/engine/tp/): the others start here as processes.
+many ranks (`TPExecutor`, tandem/engine/tp/): the others start here as processes. A worker
+asks its executor for the KV cache its transfer reads and writes (`kv_view`: the whole model's
+heads, over every rank), keeps it alive between steps (`keep_alive`) and heartbeats only while it
+is `healthy`.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.attention import TritonPagedBackend, backend_class
@@ -34,9 +37,13 @@ from tandem.engine.sim import (
 )
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.tp.group import TPGroup
+from tandem.engine.tp.kv_view import KVLayer, whole_cache
 from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankProcesses, TPModelRunner
 from tandem.engine.tp.shard import check_tensor_parallel
-from tandem.model_config import load_config
+from tandem.model_config import ModelConfig, load_config
+
+if TYPE_CHECKING:
+    from tandem.engine.tp.ranks import KVQueue
 
 Model = LlamaForCausalLM | SimModel
 Runner = ModelRunner | SimRunner
@@ -55,6 +62,24 @@ class Executor:
         each as it lands."""
         return source
 
+    @property
+    def model_config(self) -> ModelConfig:
+        """The whole model's config (a rank's model holds its shard)."""
+        return self.model.cfg
+
+    @property
+    def healthy(self) -> bool:
+        """Whether steps can run (every rank alive)."""
+        return True
+
+    def keep_alive(self) -> None:
+        """Between steps: prove what runs them alive (nothing to do here)."""
+
+    def kv_view(self) -> list[KVLayer]:
+        """The KV cache as a worker's transfer reads and writes it: per layer, every KV head
+        of the model (here, the runner's own caches)."""
+        return list(self.runner.kv_caches)
+
     def close(self) -> None:
         """Release what runs the steps beside this process (nothing here)."""
 
@@ -64,6 +89,23 @@ class TPExecutor(Executor):
     """Rank 0 of a tensor-parallel engine, with the processes of the other ranks."""
 
     ranks: RankProcesses
+    whole_config: ModelConfig
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.whole_config
+
+    @property
+    def healthy(self) -> bool:
+        return self.ranks.healthy
+
+    def keep_alive(self) -> None:
+        self.ranks.keep_alive()
+
+    def kv_view(self) -> list[KVLayer]:
+        """Every rank's heads, the others' caches mapped into this process (kv_view.py)."""
+        caches = self.ranks.kv_caches(list(self.runner.kv_caches))
+        return list(whole_cache(caches, self.whole_config))
 
     def close(self) -> None:
         self.ranks.stop()
@@ -89,10 +131,9 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     mc = config.model
     if mc.tensor_parallel_size == 1:
         return load_rank(config, model_path, None)
+    whole = load_config(model_path)
     # Refused before any process starts.
-    check_tensor_parallel(
-        load_config(model_path), mc.tensor_parallel_size, mc.quantization, mc.quant_group_size
-    )
+    check_tensor_parallel(whole, mc.tensor_parallel_size, mc.quantization, mc.quant_group_size)
     ranks = RankProcesses.start(config, model_path, serve_rank)
     try:
         executor = load_rank(config, model_path, ranks.group)
@@ -100,7 +141,7 @@ def load_real(config: EngineConfig, model_path: Path) -> Executor:
     except BaseException:
         ranks.kill()
         raise
-    return TPExecutor(executor.model, executor.runner, executor.num_blocks, ranks)
+    return TPExecutor(executor.model, executor.runner, executor.num_blocks, ranks, whole)
 
 
 def load_rank(config: EngineConfig, model_path: Path, tp: TPGroup | None) -> Executor:
@@ -137,12 +178,12 @@ def load_rank(config: EngineConfig, model_path: Path, tp: TPGroup | None) -> Exe
     return Executor(model, runner, num_blocks)
 
 
-def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup) -> None:
+def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup, kv_queue: KVQueue) -> None:
     """A rank other than 0: load its shard, meet the others, run rank 0's steps until stopped."""
     runner = load_rank(config, model_path, tp).runner
     assert isinstance(runner, TPModelRunner)
     tp.barrier(LOAD_TIMEOUT)
-    runner.serve()
+    runner.serve(kv_queue)
 
 
 def load_sim(config: EngineConfig, model_path: Path) -> Executor:

@@ -3,7 +3,8 @@ transfer threads) hand it work with `call`, which runs a function on the loop th
 steps and returns a future.
 
 Loop: run queued calls -> `before_step()` (poll transfers) -> `step()` when there is work ->
-`after_step(deltas)`; when idle it sleeps until a call arrives or `idle_s` passes (so polling
+`after_step(deltas)`; when idle it keeps the executor alive (a tensor-parallel engine's ranks get
+a keep-alive now and then) and sleeps until a call arrives or `idle_s` passes (so polling
 continues while requests wait on the network). An exception in an iteration aborts the requests
 in flight (`fail_all`) and the loop goes on.
 """
@@ -80,6 +81,8 @@ class EngineLoop:
                         for d in deltas:
                             if d.finished:
                                 self.on_finished(d.request)
+                else:
+                    self.engine.executor.keep_alive()
             except Exception as e:  # a bug must cost the requests in flight, not the worker
                 log.exception("engine step failed; aborting the requests in flight")
                 self.fail_all(e)

@@ -285,8 +285,10 @@ def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:
         EngineConfig.create(
             "m", tensor_parallel_size=3, speculative={"method": "eagle", "path": "heads"}
         )
-    with pytest.raises(ValueError, match="tensor_parallel_size=3: a worker runs one rank"):
+    # A worker's collectives must fail before the registry would forget it anyway.
+    with pytest.raises(ValueError, match="tp_timeout_s=60 must be below heartbeat_ttl_s=3"):
         WorkerConfig(EngineConfig.create("m", tensor_parallel_size=3))
+    WorkerConfig(EngineConfig.create("m", tensor_parallel_size=3, tp_timeout_s=1.5))
 
 
 def test_devices_refused() -> None:

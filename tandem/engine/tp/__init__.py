@@ -14,4 +14,5 @@ broadcasts each step's inputs (`step.StepMessage`); ranks 1.. are processes it s
 - `shard.py`   which part of each weight a rank keeps, and the checks of a configuration
 - `step.py`    the step message rank 0 broadcasts
 - `ranks.py`   the rank processes, and the runner that broadcasts (rank 0) or serves (the others)
+- `kv_view.py` rank 0's view of every rank's KV cache, for a worker's KV transfer
 """

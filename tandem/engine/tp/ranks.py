@@ -9,6 +9,10 @@ collectives pair with rank 0's. `RankProcesses.stop` (the engine's `close`, garb
 or exit) broadcasts STOP and joins them; one that does not exit in time is killed. A rank that
 dies or hangs fails rank 0's step within the group's timeout (`TensorParallelError`); if rank 0
 dies, the others' wait ends with a closed connection and they exit.
+
+A worker's rank 0 also sends, between steps, a keep-alive at most every KEEPALIVE_S
+(`keep_alive`), and reads the ranks' KV cache tensors once (`kv_caches`, for its KV transfer:
+kv_view.py); `healthy` says whether every rank is alive and the group unbroken.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -31,15 +35,21 @@ from tandem.engine.dtypes import model_device
 from tandem.engine.runner import ModelInput, ModelRunner, StepResult
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.tp.group import HOST, TPGroup
-from tandem.engine.tp.step import StepMessage, send_stop
+from tandem.engine.tp.step import KEEPALIVE, SHARE_KV, STOP, StepMessage, send_control
 
+if TYPE_CHECKING:  # generic in the stubs only
+    from multiprocessing.queues import Queue
+
+    # Where a rank hands rank 0 its KV cache tensors when asked (SHARE_KV): (rank, per layer).
+    KVQueue = Queue[tuple[int, list[torch.Tensor]]]
 # What a spawned rank runs once it has joined the group: load its shard, then serve steps.
-RankMain = Callable[[EngineConfig, Path, TPGroup], None]
+RankMain = Callable[[EngineConfig, Path, TPGroup, "KVQueue"], None]
 JOIN_SECONDS = 10.0  # how long `stop` waits for a rank to exit before killing it
 # How long the ranks may take to start and load their shards (a rank that dies meanwhile fails
 # the start at once); the group's own timeout (`tp_timeout_s`) bounds the collectives of steps.
 LOAD_TIMEOUT = timedelta(minutes=30)
 START_POLL_S = 0.05  # how often `start` looks whether the rank processes are up (or dead)
+KEEPALIVE_S = 0.5  # an idle worker's rank 0 proves its group alive this often
 
 
 class TensorParallelError(RuntimeError):
@@ -73,9 +83,15 @@ class TPModelRunner(ModelRunner):
             ) from e
 
     @torch.inference_mode()
-    def serve(self) -> None:
-        """Run rank 0's steps until it stops the ranks."""
-        while (step := StepMessage.receive(self.group)) is not None:
+    def serve(self, kv_queue: KVQueue) -> None:
+        """Run rank 0's steps until it stops the ranks; hand it the KV caches when asked."""
+        while (step := StepMessage.receive(self.group)) != STOP:
+            if step == SHARE_KV:
+                for cache in self.kv_caches:
+                    cache.share_memory_()  # here, not in the queue's thread: steps follow
+                kv_queue.put((self.group.rank, self.kv_caches))
+            if not isinstance(step, StepMessage):
+                continue
             meta = self.backend.build_metadata(step.seqs, self.device)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
             if step.sample_indices.numel():
@@ -102,10 +118,18 @@ def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
 class RankProcesses:
     """Ranks 1..t-1 of an engine, as local processes, and rank 0's group with them."""
 
-    def __init__(self, group: TPGroup, processes: list[BaseProcess], store: dist.Store) -> None:
+    def __init__(
+        self,
+        group: TPGroup,
+        processes: list[BaseProcess],
+        store: dist.Store,
+        kv_queue: KVQueue,
+    ) -> None:
         self.group = group
         self.processes = processes
         self._store = store  # the ranks' rendezvous; kept while they run
+        self._kv_queue = kv_queue
+        self._last_sent = time.monotonic()  # of the last keep-alive
         self._finalizer = weakref.finalize(self, _stop, group, processes)
 
     @classmethod
@@ -116,10 +140,11 @@ class RankProcesses:
         device = rank_device(model_device(mc), 0, size)
         store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=LOAD_TIMEOUT)
         context = torch.multiprocessing.get_context("spawn")
+        kv_queue: KVQueue = context.Queue()
         processes: list[BaseProcess] = [
             context.Process(
                 target=_rank_main,
-                args=(main, config, model_path, rank, store.port),
+                args=(main, config, model_path, rank, store.port, kv_queue),
                 name=f"tandem-tp-rank-{rank}",
                 daemon=True,
             )
@@ -134,7 +159,30 @@ class RankProcesses:
             _kill(processes)
             codes = [p.exitcode for p in processes]
             raise TensorParallelError(f"the ranks did not join (exit codes {codes}): {e}") from e
-        return cls(group, processes, store)
+        return cls(group, processes, store, kv_queue)
+
+    @property
+    def healthy(self) -> bool:
+        """Every rank process is alive and no collective has failed."""
+        return not self.group.broken and all(p.is_alive() for p in self.processes)
+
+    def keep_alive(self) -> None:
+        """Rank 0, idle: a keep-alive to the ranks if none went for KEEPALIVE_S; a failure (a
+        dead rank) breaks the group (`healthy` turns False)."""
+        if self.group.broken or time.monotonic() - self._last_sent < KEEPALIVE_S:
+            return
+        self._last_sent = time.monotonic()
+        with contextlib.suppress(RuntimeError):  # the group is marked broken
+            send_control(self.group, KEEPALIVE)
+
+    def kv_caches(self, own: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Rank r's KV cache tensors (per layer) at [r], rank 0's being `own`: the others'
+        mapped into this process (shared memory, CUDA IPC). Call between steps, at the start:
+        a rank moves its CPU cache into shared memory first (a copy of its KV budget)."""
+        send_control(self.group, SHARE_KV)
+        timeout = LOAD_TIMEOUT.total_seconds()
+        shared = dict(self._kv_queue.get(timeout=timeout) for _ in self.processes)
+        return [own, *(shared[rank] for rank in range(1, self.group.size))]
 
     def stop(self) -> None:
         """Stop the ranks (once)."""
@@ -147,7 +195,7 @@ class RankProcesses:
 
 
 def _rank_main(
-    main: RankMain, config: EngineConfig, model_path: Path, rank: int, port: int
+    main: RankMain, config: EngineConfig, model_path: Path, rank: int, port: int, kv_queue: KVQueue
 ) -> None:
     """A spawned rank: join the group, then `main`."""
     mc = config.model
@@ -159,7 +207,7 @@ def _rank_main(
         torch.set_num_threads(mc.cpu_threads)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     store.set(f"started/{rank}", "")
-    main(config, model_path, TPGroup.join(store, rank, size, device, mc.tp_timeout_s))
+    main(config, model_path, TPGroup.join(store, rank, size, device, mc.tp_timeout_s), kv_queue)
 
 
 def _await_started(store: dist.Store, processes: list[BaseProcess]) -> None:
@@ -180,7 +228,7 @@ def _stop(group: TPGroup, processes: list[BaseProcess]) -> None:
     if not group.broken:  # else some rank is dead or stuck in a collective: kill them all
         # A rank already gone cannot take the message; the join below then finds it dead.
         with contextlib.suppress(RuntimeError):
-            send_stop(group)
+            send_control(group, STOP)
         for process in processes:
             process.join(JOIN_SECONDS)
     _kill(processes)

@@ -4,7 +4,10 @@ A step is its flattened tokens, their positions, where each request's query sits
 blocks (`SeqSpec`) and the rows whose logits the sampler reads; the other ranks need nothing else
 of the scheduler. It travels as two int64 tensors: a header of sizes, then the payload (tokens,
 positions, each request's computed tokens, query length and block count, the block ids, the
-sampled rows). A header of kind STOP ends the ranks' loop.
+sampled rows). A header of another kind is a control message (`CONTROLS`): STOP ends the
+ranks' loop, KEEPALIVE only proves the group alive while rank 0 is idle (a worker heartbeats only
+while these succeed), SHARE_KV asks each rank for its KV cache tensors (a worker's KV transfer
+reads and writes them: `tandem/engine/tp/kv_view.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from tandem.engine.attention import SeqSpec
 from tandem.engine.tp.group import TPGroup
 
-STEP, STOP = 1, 0
+STOP, STEP, KEEPALIVE, SHARE_KV = 0, 1, 2, 3
+CONTROLS = (STOP, KEEPALIVE, SHARE_KV)
 HEADER_LEN = 5  # kind, tokens, requests, block ids, sampled rows
 # How long a rank waits for rank 0's next step (an idle engine sends none); a rank 0 that died
 # ends the wait at once (its connections close).
@@ -44,12 +48,12 @@ class StepMessage:
         group.broadcast(torch.cat([p.to(dev, torch.long) for p in parts]))
 
     @classmethod
-    def receive(cls, group: TPGroup) -> StepMessage | None:
-        """Ranks 1..: rank 0's next step, or None when it stops the ranks."""
+    def receive(cls, group: TPGroup) -> StepMessage | int:
+        """Ranks 1..: rank 0's next step, or the kind of a control message (`CONTROLS`)."""
         header = torch.zeros(HEADER_LEN, dtype=torch.long, device=group.device)
         kind, tokens, num_seqs, num_blocks, rows = group.broadcast(header, IDLE_TIMEOUT).tolist()
-        if kind == STOP:
-            return None
+        if kind != STEP:
+            return int(kind)
         sizes = [tokens, tokens, 3 * num_seqs, num_blocks, rows]
         payload = torch.empty(sum(sizes), dtype=torch.long, device=group.device)
         input_ids, positions, seq_fields, blocks, sample_indices = group.broadcast(payload).split(
@@ -63,6 +67,7 @@ class StepMessage:
         return cls(input_ids, positions, seqs, sample_indices)
 
 
-def send_stop(group: TPGroup) -> None:
-    """Rank 0: end the other ranks' loop."""
-    group.broadcast(torch.tensor([STOP] + [0] * (HEADER_LEN - 1), device=group.device))
+def send_control(group: TPGroup, kind: int) -> None:
+    """Rank 0: a control message (`CONTROLS`) to the other ranks."""
+    assert kind in CONTROLS
+    group.broadcast(torch.tensor([kind] + [0] * (HEADER_LEN - 1), device=group.device))

@@ -1,0 +1,76 @@
+"""Rank 0's view of a tensor-parallel engine's whole KV cache, for a worker's KV transfer.
+
+Each rank's cache holds its KV heads (`shard.py`). Rank 0 asks the ranks for their cache tensors
+once (`RankProcesses.kv_caches`): torch.multiprocessing hands them over as shared memory on the
+CPU, CUDA IPC openings on GPUs, so rank 0 reads and writes every rank's blocks in place. A layer
+of the whole cache is then a `HeadShards`: the ranks' tensors of that layer and the whole model's
+heads each holds. The KV transfer (`kv_transfer/layout.py`) gathers whole heads from it and
+scatters whole heads into it, so the wire carries the whole model's heads in order whatever the
+TP sizes of the two sides: fewer ranks to more splits heads, more to fewer assembles them, a
+replicated head is read from one rank and written to all that hold it.
+
+Ordering: rank 0 reads a layer once its own forward passed that layer, whose all-reduces every
+rank joined after writing the layer's KV; it writes a request's blocks before the step that
+reads them is broadcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.model_config import ModelConfig
+
+
+def first_kv_heads(cfg: ModelConfig, size: int) -> list[int]:
+    """Rank r's first KV head of the model of `cfg` split over `size` ranks (shard.py)."""
+    heads = max(cfg.num_kv_heads // size, 1)
+    if size <= cfg.num_kv_heads:
+        return [r * heads for r in range(size)]
+    return [r // (size // cfg.num_kv_heads) for r in range(size)]
+
+
+@dataclass(frozen=True)
+class HeadShards:
+    """One layer of the whole KV cache as the ranks' tensors; shaped like one device's cache
+    layer ([2, num_blocks, block_size, num_kv_heads, slot_dim]) where the transfer asks."""
+
+    caches: tuple[torch.Tensor, ...]  # rank r's [2, num_blocks, block_size, heads_r, slot_dim]
+    first_heads: tuple[int, ...]  # rank r's first head of the whole model's
+    num_kv_heads: int  # the whole model's
+
+    @property
+    def shape(self) -> torch.Size:
+        c = self.caches[0]
+        return torch.Size((*c.shape[:3], self.num_kv_heads, c.shape[4]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.caches[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.caches[0].device  # rank 0's: where the transfer stages whole heads
+
+    def element_size(self) -> int:
+        return self.caches[0].element_size()
+
+    def distinct(self) -> list[torch.Tensor]:
+        """One rank's tensor per head range, in head order: each head once."""
+        seen: dict[int, torch.Tensor] = {}
+        for first, cache in zip(self.first_heads, self.caches, strict=True):
+            seen.setdefault(first, cache)
+        return [seen[first] for first in sorted(seen)]
+
+
+KVLayer = torch.Tensor | HeadShards  # a layer of a worker's KV cache, as its transfer sees it
+
+
+def whole_cache(rank_caches: list[list[torch.Tensor]], cfg: ModelConfig) -> list[HeadShards]:
+    """Per layer, the ranks' tensors (`rank_caches[r][layer]`) of the model of `cfg`."""
+    first = tuple(first_kv_heads(cfg, len(rank_caches)))
+    return [
+        HeadShards(tuple(layers), first, cfg.num_kv_heads)
+        for layers in zip(*rank_caches, strict=True)
+    ]

@@ -1,0 +1,190 @@
+"""KV transfer between workers of different tensor-parallel sizes, and a TP worker's liveness.
+
+SmolLM2-135M (3 KV heads): prefill at TP 3 -> decode at TP 1 and TP 1 -> TP 3, on the gRPC,
+shared-memory and pair planes, give the colocated TP 1 engine's greedy tokens (float32). The wire
+carries the whole model's heads whatever the TP sizes, so what cannot be converted is another
+model's layout: it fails on both sides with a typed error before any byte moves, and leaves no
+block held. The workers run in this process (their other ranks are processes), so a
+test reads rank 0's block bookkeeping directly; the other ranks keep no bookkeeping.
+
+A decode worker at TP 2 (tiny model) whose rank 1 is killed mid-decode: the request ends with an
+error, the worker leaves the registry within its TTL and reports itself lost.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode_worker.decode_core import DecodeWorker, OutputStream
+from kv_transfer.state import FailureCause, TransferError
+from kv_transfer.ticket import KVTicket
+from prefill_worker.prefill_core import PrefillWorker
+from tandem.cluster.workers import build_worker
+from tandem.config import EngineConfig, TransferConfig, WorkerConfig
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.executor import TPExecutor
+from tandem.engine.tp.ranks import TensorParallelError
+from tandem.registry import Registry
+from tandem.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+OPTIONS = dict(num_blocks=16, block_size=16, num_threads=1, dtype="float32")
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPT = torch.randint(100, 40000, (37,), generator=torch.Generator().manual_seed(0)).tolist()
+WAIT_S = 30.0
+
+
+def _config(model: Path, tp: int) -> EngineConfig:
+    return EngineConfig.create(str(model), tensor_parallel_size=tp, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path: Path) -> list[int]:
+    """The colocated TP 1 engine's greedy tokens."""
+    engine = EngineCore(_config(smollm2_path, 1))
+    engine.add_request("r", PROMPT, GREEDY)
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for d in engine.step() for t in d.new_token_ids]
+    engine.close()
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2_path: Path) -> Iterator[dict[str, PrefillWorker | DecodeWorker]]:
+    """P1, P3, D1, D3 by name; the prefill workers pick the plane each test asks for. Built
+    at once: their ranks load side by side."""
+    fail = TransferConfig(on_failure="fail")
+    builders: dict[str, Callable[[], PrefillWorker | DecodeWorker]] = {}
+    for tp in (3, 1):
+        builders[f"P{tp}"] = functools.partial(PrefillWorker, _config(smollm2_path, tp))
+        builders[f"D{tp}"] = functools.partial(
+            DecodeWorker, _config(smollm2_path, tp), transfer=fail
+        )
+    with ThreadPoolExecutor(len(builders)) as pool:
+        futures = {name: pool.submit(build) for name, build in builders.items()}
+        made = {name: future.result() for name, future in futures.items()}
+    for worker in made.values():
+        worker.start()
+    yield made
+    for worker in made.values():
+        worker.close()
+        worker.engine.close()
+
+
+def _transfer(
+    prefill: PrefillWorker, decode: DecodeWorker, rid: str, channel: str, prompt: list[int]
+) -> tuple[OutputStream, Exception | None]:
+    """One request through `decode` and `prefill` on `channel`; the prefill side's error."""
+    prefill.sender.channel = channel
+    ticket_future, stream = decode.reserve(rid, prompt, GREEDY)
+    ticket = ticket_future.result(WAIT_S)
+    assert isinstance(ticket, KVTicket)
+    result = prefill.submit(rid, prompt, GREEDY, ticket)
+    try:
+        result.result(WAIT_S)
+    except Exception as e:
+        return stream, e
+    return stream, None
+
+
+def _no_block_held(*ws: PrefillWorker | DecodeWorker) -> None:
+    for worker in ws:
+        kv = worker.engine.kv_cache
+        deadline = time.monotonic() + WAIT_S
+        while kv.num_free_blocks != kv.num_blocks and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop frees a finished request's blocks between steps
+        worker.call(kv.check_integrity).result(WAIT_S)
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("sides", "channel"),
+    [(("P3", "D1"), "grpc"), (("P1", "D3"), "grpc"), (("P3", "D1"), "shm"), (("P1", "D3"), "pair")],
+)
+def test_greedy_tokens_across_tp_sizes(
+    workers: dict[str, PrefillWorker | DecodeWorker],
+    reference: list[int],
+    sides: tuple[str, str],
+    channel: str,
+) -> None:
+    prefill, decode = workers[sides[0]], workers[sides[1]]
+    assert isinstance(prefill, PrefillWorker) and isinstance(decode, DecodeWorker)
+    stream, error = _transfer(prefill, decode, f"{'-'.join(sides)}-{channel}", channel, PROMPT)
+    assert error is None
+    assert stream.tokens() == reference
+    _no_block_held(prefill, decode)
+
+
+def test_unconvertible_layout_fails_both_sides(
+    workers: dict[str, PrefillWorker | DecodeWorker], tiny_llama_path: Path
+) -> None:
+    """The tiny model's 2 KV heads and 2 layers into SmolLM2's at TP 3."""
+    decode = workers["D3"]
+    assert isinstance(decode, DecodeWorker)
+    prefill = PrefillWorker(EngineConfig.create(str(tiny_llama_path), **OPTIONS))
+    prefill.start()
+    try:
+        stream, error = _transfer(prefill, decode, "bad-layout", "grpc", list(range(5, 40)))
+        assert isinstance(error, TransferError) and error.cause == FailureCause.BAD_METADATA
+        with pytest.raises(TransferError) as decode_error:
+            stream.tokens()
+        assert decode_error.value.cause == FailureCause.BAD_METADATA
+        _no_block_held(prefill, decode)
+    finally:
+        prefill.close()
+        prefill.engine.close()
+
+
+def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
+    registry = Registry()
+    ttl = 3.0
+    config = EngineConfig.create(
+        str(tiny_llama_path), tensor_parallel_size=2, tp_timeout_s=ttl / 2, **OPTIONS
+    )
+    server = build_worker(
+        "decode", WorkerConfig(config, registry_url=registry.url, heartbeat_ttl_s=ttl)
+    )
+    try:
+        assert [w.worker_id for w in registry.workers()] == [server.worker_id]
+        worker = server.worker
+        assert isinstance(worker, DecodeWorker)
+        params = SamplingParams(max_tokens=240, ignore_eos=True)  # 16 blocks of 16 tokens
+        ticket, stream = worker.reserve("r", [5, 6, 7], params, local=True)
+        assert ticket.result(WAIT_S) is None
+        chunks = iter(stream)
+        next(chunks)  # decoding
+        executor = worker.engine.executor
+        assert isinstance(executor, TPExecutor)
+        executor.ranks.processes[0].kill()
+        killed = time.monotonic()
+        ended = threading.Event()
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                list(chunks)
+            except BaseException as e:
+                errors.append(e)
+            ended.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        assert ended.wait(WAIT_S), "the request hangs"
+        assert errors and isinstance(errors[0], TensorParallelError), errors
+        while registry.workers() and time.monotonic() - killed < ttl:
+            time.sleep(0.05)
+        assert registry.workers() == [], f"still registered {ttl} s after the kill"
+        assert server.lost.wait(ttl)
+    finally:
+        server.stop()
+        server.worker.engine.close()
+        registry.close()
