@@ -7,6 +7,9 @@ model's layout: it fails on both sides with a typed error before any byte moves,
 block held. The workers run in this process (their other ranks are processes), so a
 test reads rank 0's block bookkeeping directly; the other ranks keep no bookkeeping.
 
+The tiny model (4 heads, 2 KV heads) at P TP 2 -> D TP 4 and P TP 4 -> D TP 2: at TP 4 each KV
+head lives on two ranks (replicated), and the output is still the TP 1 engine's.
+
 A decode worker at TP 2 (tiny model) whose rank 1 is killed mid-decode: the request ends with an
 error, the worker leaves the registry within its TTL and reports itself lost.
 """
@@ -47,16 +50,20 @@ def _config(model: Path, tp: int) -> EngineConfig:
     return EngineConfig.create(str(model), tensor_parallel_size=tp, **OPTIONS)
 
 
-@pytest.fixture(scope="module")
-def reference(smollm2_path: Path) -> list[int]:
+def _colocated(model: Path, prompt: list[int]) -> list[int]:
     """The colocated TP 1 engine's greedy tokens."""
-    engine = EngineCore(_config(smollm2_path, 1))
-    engine.add_request("r", PROMPT, GREEDY)
+    engine = EngineCore(_config(model, 1))
+    engine.add_request("r", prompt, GREEDY)
     tokens = []
     while engine.has_unfinished():
         tokens += [t for d in engine.step() for t in d.new_token_ids]
     engine.close()
     return tokens
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path: Path) -> list[int]:
+    return _colocated(smollm2_path, PROMPT)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +150,29 @@ def test_unconvertible_layout_fails_both_sides(
     finally:
         prefill.close()
         prefill.engine.close()
+
+
+@pytest.mark.parametrize(("sides", "channel"), [((2, 4), "grpc"), ((4, 2), "pair")])
+def test_replicated_kv_heads_across_tp_sizes(
+    tiny_llama_path: Path, sides: tuple[int, int], channel: str
+) -> None:
+    prompt = list(range(5, 42))
+    fail = TransferConfig(on_failure="fail")
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(PrefillWorker, _config(tiny_llama_path, sides[0]))
+        d = pool.submit(DecodeWorker, _config(tiny_llama_path, sides[1]), transfer=fail)
+        prefill, decode = p.result(), d.result()
+    try:
+        prefill.start()
+        decode.start()
+        stream, error = _transfer(prefill, decode, f"tiny-{sides}", channel, prompt)
+        assert error is None
+        assert stream.tokens() == _colocated(tiny_llama_path, prompt)
+        _no_block_held(prefill, decode)
+    finally:
+        for worker in (prefill, decode):
+            worker.close()
+            worker.engine.close()
 
 
 def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
