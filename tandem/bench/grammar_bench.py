@@ -10,10 +10,13 @@ per step. No model runs: the figures are the grammar's share of a decode step's 
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from operator import methodcaller
 from typing import Any
 
 import torch
@@ -114,25 +117,18 @@ def _llguidance(
         compiled = time.perf_counter()
         grammars.matcher(structured, [])
         cached = time.perf_counter()
-        masks: list[float] = []
         bitmask = torch.full((1, (vocab + 31) // 32), -1, dtype=torch.int32)
-        for _ in range(rounds):
-            matcher = grammars.matcher(structured, [])
-            for token in tokens:
-                t0 = time.perf_counter()
-                matcher.fill_rows(bitmask, 0, ())
-                masks.append((time.perf_counter() - t0) * 1e6)
-                assert matcher.accept(token), f"llguidance refused the answer of {case}"
-        figures.append(
-            Figures(
-                "llguidance",
-                case,
-                len(tokens),
-                (compiled - start) * 1e3,
-                (cached - compiled) * 1e3,
-                masks,
-            )
+        masks = _mask_times(
+            rounds,
+            tokens,
+            functools.partial(grammars.matcher, structured, []),
+            methodcaller("fill_rows", bitmask, 0, ()),
+            lambda m, token: m.accept(token),
         )
+        figures.append(
+            Figures("llguidance", case, len(tokens), (compiled - start) * 1e3,
+                    (cached - compiled) * 1e3, masks)
+        )  # fmt: skip
     return figures
 
 
@@ -156,26 +152,39 @@ def _xgrammar(tokenizer_file: str, vocab: int, eos: tuple[int, ...], rounds: int
         compiler.compile_json_schema(text, **options)
         cached = time.perf_counter()
         tokens = hf.encode(answer, add_special_tokens=False)
-        masks: list[float] = []
         bitmask = xgr.allocate_token_bitmask(1, vocab)
-        for _ in range(rounds):
-            matcher = xgr.GrammarMatcher(grammar)
-            for token in tokens:
-                t0 = time.perf_counter()
-                matcher.fill_next_token_bitmask(bitmask)
-                masks.append((time.perf_counter() - t0) * 1e6)
-                assert matcher.accept_token(token), f"xgrammar refused the answer of {case}"
-        figures.append(
-            Figures(
-                "xgrammar",
-                case,
-                len(tokens),
-                (compiled - start) * 1e3,
-                (cached - compiled) * 1e3,
-                masks,
-            )
+        masks = _mask_times(
+            rounds,
+            tokens,
+            functools.partial(xgr.GrammarMatcher, grammar),
+            methodcaller("fill_next_token_bitmask", bitmask),
+            lambda m, token: m.accept_token(token),
         )
+        figures.append(
+            Figures("xgrammar", case, len(tokens), (compiled - start) * 1e3,
+                    (cached - compiled) * 1e3, masks)
+        )  # fmt: skip
     return figures
+
+
+def _mask_times(
+    rounds: int,
+    tokens: list[int],
+    new_matcher: Callable[[], Any],
+    fill: Callable[[Any], object],
+    accept: Callable[[Any, int], bool],
+) -> list[float]:
+    """Microseconds of each next-token mask fill along `tokens`, `rounds` times over, each round
+    with a fresh matcher; AssertionError if the grammar refuses the answer."""
+    times = []
+    for _ in range(rounds):
+        matcher = new_matcher()
+        for token in tokens:
+            t0 = time.perf_counter()
+            fill(matcher)
+            times.append((time.perf_counter() - t0) * 1e6)
+            assert accept(matcher, token), f"the grammar refused token {token} of the answer"
+    return times
 
 
 def _engine_step_us(tokenizer_json: str, vocab: int, eos: tuple[int, ...], batch: int) -> float:
