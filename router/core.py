@@ -462,11 +462,17 @@ class Router:
         """The decode workers the request may use (none in `lost`). With none, wait for one
         (a replacement starting) up to `decode_wait_s`; the request's deadline cuts the wait
         short. UNAVAILABLE when none came, RESOURCE_EXHAUSTED when too many wait already."""
-        decodes = [w for w in self._live("decode") if w.worker_id not in lost]
+
+        def available() -> list[WorkerRecord]:
+            return [w for w in self._live("decode") if w.worker_id not in lost]
+
+        decodes = available()
         if decodes:
             return decodes
         wait_s = self.config.decode_wait_s
-        if wait_s > 0 and self.decode_waiters >= self.config.max_decode_waiters:
+        if wait_s <= 0:
+            raise RouterError(ErrorKind.UNAVAILABLE, "no decode worker serves this model")
+        if self.decode_waiters >= self.config.max_decode_waiters:
             raise RouterError(
                 ErrorKind.OVERLOADED,
                 f"{self.decode_waiters} requests already wait for a decode worker",
@@ -477,7 +483,7 @@ class Router:
             end = time.monotonic() + wait_s
             while not decodes and time.monotonic() < end:
                 await asyncio.sleep(DECODE_POLL_S)
-                decodes = [w for w in self._live("decode") if w.worker_id not in lost]
+                decodes = available()
         finally:
             self.decode_waiters -= 1
         if not decodes:

@@ -80,6 +80,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             except (TypeError, ValueError) as e:
                 field = "structured_output" if "structured_output" in str(e) else "sampling"
                 raise invalid(str(e), field) from None
+            if request.n > MAX_N:
+                raise invalid(f"n must be at most {MAX_N}, got {request.n}", "n")
             prep = self.router.prepare(
                 params,
                 model=request.model,
@@ -89,8 +91,6 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 speculative=request.speculative if request.HasField("speculative") else None,
                 **_prepare_args(request),
             )
-            if request.n > MAX_N:
-                raise invalid(f"n must be at most {MAX_N}, got {request.n}", "n")
             preps = choice_preps(prep, max(request.n, 1))
             observed = merged(lambda p: self.metrics.observe(self.router.generate(p)), preps)
             async with contextlib.aclosing(observed) as deltas:

@@ -91,15 +91,22 @@ class _StructuredOutputs(BaseModel):
             raise ValueError(
                 f"{name}: give exactly one of json, regex, choice, grammar, json_object"
             )
-        if self.json_ is not None:
-            return StructuredOutput.json_schema(self.json_, name)
-        if self.choice is not None:
-            return StructuredOutput.choice(self.choice, name)
-        if self.json_object:
-            return StructuredOutput("json_object", source=name)
-        if self.regex is not None:
-            return StructuredOutput("regex", self.regex, name)
-        return StructuredOutput("grammar", self.grammar or "", name)
+        kind = given[0]
+        return structured_output_of(kind, getattr(self, "json_" if kind == "json" else kind), name)
+
+
+def structured_output_of(kind: str, value: Any, source: str) -> StructuredOutput:
+    """The constraint one request field asks for: `kind` json (a schema), choice, json_object,
+    regex or grammar; `source` names the field in errors."""
+    if kind == "json":
+        return StructuredOutput.json_schema(value, source)
+    if kind == "choice":
+        return StructuredOutput.choice(value or [], source)
+    if kind == "json_object":
+        return StructuredOutput("json_object", source=source)
+    if kind == "regex":
+        return StructuredOutput("regex", value or "", source)
+    return StructuredOutput("grammar", value or "", source)
 
 
 class _Sampling(BaseModel):
@@ -171,14 +178,8 @@ class _Sampling(BaseModel):
     def _structured(self, name: str) -> StructuredOutput:
         if self.structured_outputs is not None and name == "structured_outputs":
             return self.structured_outputs.structured_output()
-        if name == "guided_json":
-            return StructuredOutput.json_schema(self.guided_json, name)
-        if name == "guided_regex":
-            return StructuredOutput("regex", self.guided_regex or "", name)
-        if name == "guided_choice":
-            return StructuredOutput.choice(self.guided_choice or [], name)
-        if name == "guided_grammar":
-            return StructuredOutput("grammar", self.guided_grammar or "", name)
+        if name.startswith("guided_"):
+            return structured_output_of(name.removeprefix("guided_"), getattr(self, name), name)
         assert self.response_format is not None
         if self.response_format.type == "json_object":
             return StructuredOutput("json_object", source=name)
@@ -842,10 +843,12 @@ class _ChatRender(_Render):
         what may be a call is held back to the answer's end (all of a `required` or named one),
         then sent as one delta: the content left and the whole tool calls, each with its
         `index`. Logprobs come with the chunk that sends their text, the rest with the last."""
-        c = self.choices[index]
-        text = "".join(c.text)
         assert self.tool_use is not None
         auto = self.tool_use.choice == "auto"
+        if d.finish_reason is None and not auto:
+            return None  # a required or named answer is all call: held to its end
+        c = self.choices[index]
+        text = "".join(c.text)
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         finish_reason = None
         if d.finish_reason is None:

@@ -51,13 +51,12 @@ class ToolCall:
     arguments: str  # JSON text
     id: str = ""
 
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        call: dict[str, Any] = {
+    def to_openai(self) -> dict[str, Any]:
+        return {
             "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
-        return call if index is None else {"index": index, **call}
 
 
 @dataclass(frozen=True)
