@@ -35,6 +35,7 @@ from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
+from tandem.engine.tp.ranks import RankLauncher
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 
@@ -91,9 +92,10 @@ class DecodeWorker(EngineLoop):
         shared_memory: bool = True,
         enable_pairs: bool = True,
         transfer: TransferConfig = TransferConfig(),
+        launcher: RankLauncher | None = None,  # where tensor-parallel ranks 1.. run
     ) -> None:
         self.role = DecodeRole()
-        super().__init__(EngineCore(config, self.role), "decode-loop")
+        super().__init__(EngineCore(config, self.role, launcher), "decode-loop")
         engine = self.engine
         self.shm: SharedCache | None = None
         device = engine.runner.device

@@ -11,6 +11,7 @@ from decode_worker.decode_core import DecodeWorker
 from kv_transfer import TransferError
 from kv_transfer.state import request_status
 from tandem.config import WorkerConfig
+from tandem.engine.tp.ranks import RankLauncher
 from tandem.messages import logprobs_to_proto, worker_sampling
 from tandem.v1 import kv_transfer_pb2 as kvpb
 from tandem.v1 import worker_pb2 as wpb
@@ -73,9 +74,10 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
         return worker_stats("decode", self.model, self.worker)
 
 
-def build_decode_server(config: WorkerConfig) -> WorkerServer:
-    """A started decode worker: engine loop, KV receiver, gRPC server, metrics, registration."""
-    worker = DecodeWorker(config.engine, config.host, transfer=config.transfer)
+def build_decode_server(config: WorkerConfig, launcher: RankLauncher | None = None) -> WorkerServer:
+    """A started decode worker: engine loop, KV receiver, gRPC server, metrics, registration;
+    its tensor-parallel ranks 1.. where `launcher` runs them (default: local processes)."""
+    worker = DecodeWorker(config.engine, config.host, transfer=config.transfer, launcher=launcher)
     model = config.engine.model.model
 
     def add(server: grpc.Server) -> None:

@@ -27,6 +27,7 @@ from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
+from tandem.engine.tp.ranks import RankLauncher
 from tandem.sampling_params import SamplingParams
 
 
@@ -63,10 +64,11 @@ class PrefillWorker(EngineLoop):
         host: str = "127.0.0.1",
         transfer: TransferConfig = TransferConfig(),
         sender: KVSender | None = None,
+        launcher: RankLauncher | None = None,  # where tensor-parallel ranks 1.. run
     ) -> None:
         stream_layers = transfer.stream_layers
-        super().__init__(EngineCore(config, PrefillRole(self, stream_layers)), "prefill-loop")
-        engine = self.engine
+        engine = EngineCore(config, PrefillRole(self, stream_layers), launcher)
+        super().__init__(engine, "prefill-loop")
         self.fingerprint = model_fingerprint(engine.executor.model_config, engine.model_path)
         self.kv_caches = engine.executor.kv_view()  # every rank's heads under TP
         self.sender = sender or KVSender(

@@ -8,6 +8,7 @@ from kv_transfer import KVTicket, TransferError
 from kv_transfer.state import request_status
 from prefill_worker.prefill_core import PrefillWorker
 from tandem.config import WorkerConfig
+from tandem.engine.tp.ranks import RankLauncher
 from tandem.messages import worker_sampling
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
@@ -68,9 +69,12 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
         return worker_stats("prefill", self.model, self.worker)
 
 
-def build_prefill_server(config: WorkerConfig) -> WorkerServer:
-    """A started prefill worker: engine loop, gRPC server, metrics, registration."""
-    worker = PrefillWorker(config.engine, config.host, config.transfer)
+def build_prefill_server(
+    config: WorkerConfig, launcher: RankLauncher | None = None
+) -> WorkerServer:
+    """A started prefill worker: engine loop, gRPC server, metrics, registration; its
+    tensor-parallel ranks 1.. where `launcher` runs them (default: local processes)."""
+    worker = PrefillWorker(config.engine, config.host, config.transfer, launcher=launcher)
     model = config.engine.model.model
 
     def add(server: grpc.Server) -> None:

@@ -77,12 +77,8 @@ def serve(
     placement_timeout_s: Annotated[
         float, typer.Option(help="Ray: a worker not placed this long is dropped.")
     ] = 300.0,
-    prefill_tp: Annotated[
-        int, typer.Option(help="--no-ray: tensor-parallel ranks per prefill worker.")
-    ] = 1,
-    decode_tp: Annotated[
-        int, typer.Option(help="--no-ray: tensor-parallel ranks per decode worker.")
-    ] = 1,
+    prefill_tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per prefill worker.")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Tensor-parallel ranks per decode worker.")] = 1,
 ) -> None:
     """Start the cluster: registry, router, prefill and decode pools (on Ray by default)."""
     from tandem.cluster.local_cluster import LocalCluster
@@ -104,16 +100,12 @@ def serve(
     )
     cluster: Any
     if ray:
-        if prefill_tp > 1 or decode_tp > 1:
-            raise typer.BadParameter(
-                "tensor-parallel workers run as local processes for now: add --no-ray",
-                param_hint="--prefill-tp/--decode-tp",
-            )
         speculative = speculative_option(spec, draft_model, cost_aware=spec_cost_aware)
+        tp = {"prefill": prefill_tp, "decode": decode_tp}
+        pools = _ray_pools(cpus_per_worker, gpus_per_worker, pin_pools, tp)
         cluster = _ray_cluster(
-            model, prefill, decode, address, listen, engine_options, speculative,
-            _ray_pools(cpus_per_worker, gpus_per_worker, pin_pools), autoscale, dry_run,
-            admin_token, router, placement_timeout_s,
+            model, prefill, decode, address, listen, engine_options, speculative, pools,
+            autoscale, dry_run, admin_token, router, placement_timeout_s,
         )  # fmt: skip
     else:
         spec_flags = ["--spec", spec] if spec else []
@@ -136,14 +128,23 @@ def router_config(model: str, api_key: str | None, **options: Any) -> RouterConf
     return RouterConfig(model, api_key=api_key or api_key_from_environment(), **options)
 
 
-def _ray_pools(cpus: float, gpus: int, pinned: bool) -> dict[str, Any]:
-    """Each pool's resources per worker: CPUs, GPU bundles, and its node label when pinned."""
+def _ray_pools(cpus: float, gpus: int, pinned: bool, tp: dict[str, int]) -> dict[str, Any]:
+    """Each pool's resources per worker: CPUs, GPU bundles, its node label when pinned, and its
+    tensor-parallel ranks (one bundle each)."""
     from tandem.cluster.pools import PoolSpec
 
-    return {
-        role: PoolSpec(cpus, gpus, resources={f"tandem_{role}": 1.0} if pinned else {})
-        for role in ("prefill", "decode")
-    }
+    pools = {}
+    for role in ("prefill", "decode"):
+        try:
+            pools[role] = PoolSpec(
+                cpus,
+                gpus,
+                resources={f"tandem_{role}": 1.0} if pinned else {},
+                tensor_parallel_size=tp[role],
+            )
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint=f"--{role}-tp/--gpus-per-worker") from e
+    return pools
 
 
 def _ray_cluster(

@@ -2,8 +2,10 @@
 
 Each worker is a Ray actor (`WorkerActor`) running a complete worker server (gRPC, engine loop,
 KV endpoint, metrics, registration), placed in its own placement group: a GPU bundle set on GPU
-nodes (`{"GPU": 1}` per tensor-parallel rank), a CPU bundle on CPU-only machines. Routers find
-workers through the registry, not through Ray.
+nodes (`{"GPU": 1}` per tensor-parallel rank), a CPU bundle per rank on CPU-only machines. A
+tensor-parallel worker's actor is its rank 0 and starts ranks 1.. as actors in the group's other
+bundles (rank_actors.py); the worker is as healthy as all its ranks (`ping` says False once it
+lost one), and it is replaced whole. Routers find workers through the registry, not through Ray.
 
 The controller keeps each pool at its desired size. A worker slot's life:
 
@@ -11,7 +13,8 @@ The controller keeps each pool at its desired size. A worker slot's life:
       says which and how much; past `placement_timeout_s` the slot is dropped, the pool's
       desired size lowered by one and an error event recorded)
     -> starting (placement group reserved, actor loading the model) -> serving (answers pings)
-      -> dead (actor gone or 3 missed pings): killed, placement group freed, replaced
+      -> dead (actor gone, 3 missed pings, or a tensor-parallel rank lost): killed, placement
+         group freed (with the rank actors in it), replaced
       -> draining (scale-down): the worker stops taking work, finishes what it has, deregisters;
          then its actor and placement group go
 
@@ -55,18 +58,38 @@ MAX_EVENTS = 100  # error events a controller keeps
 
 @dataclass(frozen=True)
 class PoolSpec:
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: int = 0  # tensor-parallel size on GPU nodes; 0 = CPU workers
-    strategy: str = "PACK"  # placement within a worker's bundle set
+    cpus_per_worker: float = 1.0  # rank 0's (and, on CPU workers, each tensor-parallel rank's)
+    gpus_per_worker: int = 0  # GPU bundles per worker, one per rank; 0 = CPU workers
+    strategy: str = "PACK"  # placement within a worker's bundle set (one rank: see below)
     # Custom Ray resources a worker needs, e.g. {"tandem_prefill": 1} to keep it on the nodes of
     # the KubeRay worker group that advertises that resource.
     resources: dict[str, float] = field(default_factory=dict)
+    tensor_parallel_size: int = 1  # ranks per worker: the worker actor and N-1 rank actors
+
+    def __post_init__(self) -> None:
+        tp, gpus = self.tensor_parallel_size, self.gpus_per_worker
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if gpus and tp > gpus:
+            raise ValueError(
+                f"tensor_parallel_size={tp} needs {tp} GPUs per worker, one per rank; "
+                f"gpus_per_worker={gpus}"
+            )
+
+    @property
+    def placement_strategy(self) -> str:
+        """`strategy`, but STRICT_PACK for a tensor-parallel worker: its ranks meet over
+        loopback and rank 0 maps their KV caches in shared memory, so they share a node."""
+        return "STRICT_PACK" if self.tensor_parallel_size > 1 else self.strategy
 
     def bundles(self) -> list[dict[str, float]]:
+        """Bundle r holds rank r: the first one rank 0 (the worker actor) with the pool's
+        resources, the others one GPU each (GPU workers) or the worker's CPUs (CPU workers)."""
         if self.gpus_per_worker:
             first = {"GPU": 1.0, "CPU": self.cpus_per_worker, **self.resources}
             return [first] + [{"GPU": 1.0}] * (self.gpus_per_worker - 1)
-        return [{"CPU": self.cpus_per_worker, **self.resources}]
+        first = {"CPU": self.cpus_per_worker, **self.resources}
+        return [first] + [{"CPU": self.cpus_per_worker}] * (self.tensor_parallel_size - 1)
 
 
 @dataclass(frozen=True)
@@ -89,13 +112,17 @@ class ClusterSpec:
 class WorkerActor:
     """One worker server inside a Ray actor process."""
 
-    def __init__(self, role: str, spec: ClusterSpec) -> None:
+    def __init__(self, role: str, spec: ClusterSpec, name: str) -> None:
         # Workers publish their own address: with a wildcard host (a pod that binds 0.0.0.0),
         # bind and advertise this node's IP, which routers and other workers can reach.
         host = spec.host if spec.host not in ("", "0.0.0.0") else ray.util.get_node_ip_address()
         options = dict(spec.engine)
         if role == "decode":
             options.update(spec.decode_engine)
+        tp = spec.pool(role).tensor_parallel_size
+        if tp > 1:  # a dead rank must fail the steps before the registry forgets the worker
+            options.update(tensor_parallel_size=tp)
+            options.setdefault("tp_timeout_s", spec.heartbeat_ttl_s / 2)
         speculative = options.pop("speculative", None)
         if role == "prefill":
             speculative = prefill_speculative(spec.decode_engine.get("speculative", speculative))
@@ -105,15 +132,20 @@ class WorkerActor:
             registry_url=spec.registry_url,
             heartbeat_ttl_s=spec.heartbeat_ttl_s,
         )
-        from tandem.cluster.workers import build_worker  # the actor's process: loads torch
+        # The actor's process: loads torch.
+        from tandem.cluster.rank_actors import RayActors
+        from tandem.cluster.workers import build_worker
 
-        self.server = build_worker(role, config)
+        pg = ray.util.get_current_placement_group()
+        ranks = RayActors(pg, name, NAMESPACE) if tp > 1 else None
+        self.server = build_worker(role, config, ranks)
 
     def info(self) -> dict[str, str]:
         return {"worker_id": self.server.worker_id, "endpoint": self.server.endpoint}
 
     def ping(self) -> bool:
-        return True
+        """Alive and healthy: False once the worker lost a tensor-parallel rank."""
+        return not self.server.lost.is_set()
 
     def drain(self, timeout_s: float) -> None:
         self.server.drain(timeout_s)
@@ -213,16 +245,15 @@ class PoolController:
 
     def _start(self, role: str) -> _Slot:
         pool = self.spec.pool(role)
-        pg = placement_group(
-            pool.bundles(), strategy=pool.strategy, name=f"tandem-{role}-{uuid.uuid4().hex[:8]}"
-        )
+        name = f"tandem-{role}-{uuid.uuid4().hex[:8]}"
+        pg = placement_group(pool.bundles(), strategy=pool.placement_strategy, name=name)
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
         actor = self._actor_class.options(
             num_cpus=pool.cpus_per_worker,
             num_gpus=1 if pool.gpus_per_worker else 0,
             resources=pool.resources,
             scheduling_strategy=strategy,
-        ).remote(role, self.spec)
+        ).remote(role, self.spec, name)
         log.info("starting a %s worker", role)
         return _Slot(role, actor, pg, actor.info.remote())
 
@@ -247,11 +278,14 @@ class PoolController:
         ping = slot.actor.ping.remote()
         done, _ = ray.wait([ping], timeout=2.0)
         try:
-            if done:
-                ray.get(ping)
+            if done and ray.get(ping):
                 slot.missed = 0
                 return
-            slot.missed += 1
+            if done:  # it lost a tensor-parallel rank: replace the whole worker
+                log.warning("worker %s lost a rank", slot.worker_id)
+                slot.missed = MISSED_PINGS
+            else:
+                slot.missed += 1
         except Exception as e:
             log.warning("worker %s is dead: %s", slot.worker_id, e)
             slot.missed = MISSED_PINGS

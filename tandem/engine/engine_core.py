@@ -25,6 +25,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.sampler import request_generator
 from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.spec.decoder import StepKind, make_spec_decoder
+from tandem.engine.tp.ranks import RankLauncher
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
 from tandem.tokenizer import tokenizer_dir
@@ -46,13 +47,16 @@ class RequestDelta:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, role: Role | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, role: Role | None = None, launcher: RankLauncher | None = None
+    ) -> None:
+        """`launcher`: where a tensor-parallel engine's ranks 1.. run (default: processes)."""
         self.config = config
         mc = config.model
         if mc.cpu_threads is not None and model_device(mc).type == "cpu":
             torch.set_num_threads(mc.cpu_threads)
         self.model_path = hub.resolve(mc.model)
-        self.executor = load_executor(config, self.model_path)
+        self.executor = load_executor(config, self.model_path, launcher)
         self.model, self.runner = self.executor.model, self.executor.runner
         cfg = self.model.cfg
         self.vocab_size = cfg.vocab_size

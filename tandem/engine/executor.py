@@ -5,7 +5,8 @@ weights onto a `ModelRunner`; "sim" (sim.py) stands the real model's config, wit
 a `SimRunner` that sleeps the modelled step times, and has a decode worker see each KV arrival
 once its modelled transfer would be done. `EngineCore` and the workers use what is built here
 without knowing which kind it is. A real engine of `tensor_parallel_size` > 1 is rank 0 of that
-many ranks (`TPExecutor`, tandem/engine/tp/): the others start here as processes. A worker
+many ranks (`TPExecutor`, tandem/engine/tp/): the others start here, as local processes or where
+the caller's `RankLauncher` runs them (Ray actors: tandem/cluster/rank_actors.py). A worker
 asks its executor for the KV cache its transfer reads and writes (`kv_view`: the whole model's
 heads, over every rank), keeps it alive between steps (`keep_alive`) and heartbeats only while it
 is `healthy`.
@@ -16,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from tandem.config import CacheConfig, EngineConfig
 from tandem.engine.attention import TritonPagedBackend, backend_class
@@ -38,12 +39,9 @@ from tandem.engine.sim import (
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.tp.group import TPGroup
 from tandem.engine.tp.kv_view import KVLayer, whole_cache
-from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankProcesses, TPModelRunner
+from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankLauncher, Ranks, ShareKV, TPModelRunner
 from tandem.engine.tp.shard import check_tensor_parallel
 from tandem.model_config import ModelConfig, load_config
-
-if TYPE_CHECKING:
-    from tandem.engine.tp.ranks import KVQueue
 
 Model = LlamaForCausalLM | SimModel
 Runner = ModelRunner | SimRunner
@@ -86,9 +84,9 @@ class Executor:
 
 @dataclass(frozen=True)
 class TPExecutor(Executor):
-    """Rank 0 of a tensor-parallel engine, with the processes of the other ranks."""
+    """Rank 0 of a tensor-parallel engine, with the other ranks (processes or Ray actors)."""
 
-    ranks: RankProcesses
+    ranks: Ranks
     whole_config: ModelConfig
 
     @property
@@ -125,16 +123,19 @@ def num_kv_blocks(cache: CacheConfig, bytes_per_block: int) -> int:
     return cache.num_blocks or max(1, int(cache.memory_gib * 2**30) // bytes_per_block)
 
 
-def load_real(config: EngineConfig, model_path: Path) -> Executor:
+def load_real(
+    config: EngineConfig, model_path: Path, launcher: RankLauncher | None = None
+) -> Executor:
     """The model's weights on a `ModelRunner`, or rank 0's shard of them on a `TPModelRunner`
-    once the other ranks have started and loaded theirs."""
+    once the other ranks have started (where `launcher` runs them: local processes by default)
+    and loaded theirs."""
     mc = config.model
     if mc.tensor_parallel_size == 1:
         return load_rank(config, model_path, None)
     whole = load_config(model_path)
     # Refused before any process starts.
     check_tensor_parallel(whole, mc.tensor_parallel_size, mc.quantization, mc.quant_group_size)
-    ranks = RankProcesses.start(config, model_path, serve_rank)
+    ranks = Ranks.start(config, model_path, serve_rank, launcher)
     try:
         executor = load_rank(config, model_path, ranks.group)
         ranks.group.barrier(LOAD_TIMEOUT)  # every rank has loaded its shard
@@ -178,17 +179,20 @@ def load_rank(config: EngineConfig, model_path: Path, tp: TPGroup | None) -> Exe
     return Executor(model, runner, num_blocks)
 
 
-def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup, kv_queue: KVQueue) -> None:
+def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup, share_kv: ShareKV) -> None:
     """A rank other than 0: load its shard, meet the others, run rank 0's steps until stopped."""
     runner = load_rank(config, model_path, tp).runner
     assert isinstance(runner, TPModelRunner)
     tp.barrier(LOAD_TIMEOUT)
-    runner.serve(kv_queue)
+    runner.serve(share_kv)
 
 
-def load_sim(config: EngineConfig, model_path: Path) -> Executor:
+def load_sim(
+    config: EngineConfig, model_path: Path, launcher: RankLauncher | None = None
+) -> Executor:
     """The real model's config and no weights, on a `SimRunner` timed by the config's profile;
-    as many KV blocks as the real model's KV layout (or the profile's bytes per token) fits."""
+    as many KV blocks as the real model's KV layout (or the profile's bytes per token) fits.
+    One rank (the config refuses more): `launcher` has nothing to start."""
     profile = SimProfile.load(config.model.sim_profile)
     real = load_config(model_path)
     if not profile.kv_bytes_per_token:
@@ -201,12 +205,15 @@ def load_sim(config: EngineConfig, model_path: Path) -> Executor:
     return SimExecutor(model, runner, num_blocks, profile)
 
 
-EXECUTORS: dict[str, Callable[[EngineConfig, Path], Executor]] = {
+EXECUTORS: dict[str, Callable[[EngineConfig, Path, RankLauncher | None], Executor]] = {
     "real": load_real,
     "sim": load_sim,
 }
 
 
-def load_executor(config: EngineConfig, model_path: Path) -> Executor:
-    """What runs the steps of an engine of `config`, for the model at `model_path`."""
-    return EXECUTORS[config.model.engine](config, model_path)
+def load_executor(
+    config: EngineConfig, model_path: Path, launcher: RankLauncher | None = None
+) -> Executor:
+    """What runs the steps of an engine of `config`, for the model at `model_path`; its ranks
+    1.. (tensor parallelism) where `launcher` runs them, local processes by default."""
+    return EXECUTORS[config.model.engine](config, model_path, launcher)

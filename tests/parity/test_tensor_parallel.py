@@ -237,7 +237,7 @@ def test_a_dead_or_stuck_rank_fails_the_step(tiny_llama_path: Path, sig: signal.
     engine.add_request("r", [1, 2, 3], params)
     engine.step()
     assert isinstance(engine.executor, TPExecutor)
-    (rank1,) = engine.executor.ranks.processes
+    (rank1,) = engine.executor.ranks.handles
     assert rank1.pid is not None
     os.kill(rank1.pid, sig)
     start = time.monotonic()

@@ -195,7 +195,7 @@ def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
         next(chunks)  # decoding
         executor = worker.engine.executor
         assert isinstance(executor, TPExecutor)
-        executor.ranks.processes[0].kill()
+        executor.ranks.handles[0].kill()
         killed = time.monotonic()
         ended = threading.Event()
         errors: list[BaseException] = []

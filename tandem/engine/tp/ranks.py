@@ -1,30 +1,36 @@
-"""The ranks of a tensor-parallel engine: the processes rank 0 starts, and each rank's runner.
+"""The ranks of a tensor-parallel engine: where ranks 1.. run, and each rank's runner.
 
-Lifecycle: `RankProcesses.start` opens a TCPStore on loopback, spawns ranks 1..t-1
-(torch.multiprocessing, spawn) and joins the group as rank 0; every rank then loads its shard and
-meets the others at a barrier, so a rank that cannot load fails the engine's start. In each step,
-rank 0's `TPModelRunner.prepare` broadcasts the step message and its `execute` runs the model; the
-other ranks' `TPModelRunner.serve` receives the message and runs the same forward, whose
-collectives pair with rank 0's. `RankProcesses.stop` (the engine's `close`, garbage collection
-or exit) broadcasts STOP and joins them; one that does not exit in time is killed. A rank that
-dies or hangs fails rank 0's step within the group's timeout (`TensorParallelError`); if rank 0
-dies, the others' wait ends with a closed connection and they exit.
+Lifecycle: `Ranks.start` opens a TCPStore on loopback, has its launcher start ranks 1..t-1 (local
+processes, `LocalProcesses`; Ray actors in the worker's placement group, tandem/cluster/
+rank_actors.py), each running `rank_main`, and joins the group as rank 0; every rank then loads
+its shard and meets the others at a barrier, so a rank that cannot load fails the engine's start.
+In each step, rank 0's `TPModelRunner.prepare` broadcasts the step message and its `execute` runs
+the model; the other ranks' `TPModelRunner.serve` receives the message and runs the same
+forward, whose collectives pair with rank 0's. `Ranks.stop` (the engine's `close`, garbage
+collection or exit) broadcasts STOP and joins them; one that does not exit in time is killed. A
+rank that dies or hangs fails rank 0's step within the group's timeout (`TensorParallelError`);
+if rank 0 dies, the others' wait ends with a closed connection and they exit.
 
 A worker's rank 0 also sends, between steps, a keep-alive at most every KEEPALIVE_S
 (`keep_alive`), and reads the ranks' KV cache tensors once (`kv_caches`, for its KV transfer:
-kv_view.py); `healthy` says whether every rank is alive and the group unbroken.
+kv_view.py): each rank moves its cache into shared memory and leaves its handles (pickled by
+torch.multiprocessing) in the store; `healthy` says whether every rank is alive and the group
+unbroken.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from datetime import timedelta
-from multiprocessing.process import BaseProcess
+from functools import partial
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,18 +43,15 @@ from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.tp.group import HOST, TPGroup
 from tandem.engine.tp.step import KEEPALIVE, SHARE_KV, STOP, StepMessage, send_control
 
-if TYPE_CHECKING:  # generic in the stubs only
-    from multiprocessing.queues import Queue
-
-    # Where a rank hands rank 0 its KV cache tensors when asked (SHARE_KV): (rank, per layer).
-    KVQueue = Queue[tuple[int, list[torch.Tensor]]]
-# What a spawned rank runs once it has joined the group: load its shard, then serve steps.
-RankMain = Callable[[EngineConfig, Path, TPGroup, "KVQueue"], None]
+# How a rank hands rank 0 its KV cache tensors when asked (SHARE_KV).
+ShareKV = Callable[[list[torch.Tensor]], None]
+# What a rank runs once it has joined the group: load its shard, then serve steps.
+RankMain = Callable[[EngineConfig, Path, TPGroup, ShareKV], None]
 JOIN_SECONDS = 10.0  # how long `stop` waits for a rank to exit before killing it
 # How long the ranks may take to start and load their shards (a rank that dies meanwhile fails
 # the start at once); the group's own timeout (`tp_timeout_s`) bounds the collectives of steps.
 LOAD_TIMEOUT = timedelta(minutes=30)
-START_POLL_S = 0.05  # how often `start` looks whether the rank processes are up (or dead)
+START_POLL_S = 0.05  # how often `start` looks whether the ranks are up (or dead)
 KEEPALIVE_S = 0.5  # an idle worker's rank 0 proves its group alive this often
 
 
@@ -83,13 +86,11 @@ class TPModelRunner(ModelRunner):
             ) from e
 
     @torch.inference_mode()
-    def serve(self, kv_queue: KVQueue) -> None:
+    def serve(self, share_kv: ShareKV) -> None:
         """Run rank 0's steps until it stops the ranks; hand it the KV caches when asked."""
         while (step := StepMessage.receive(self.group)) != STOP:
             if step == SHARE_KV:
-                for cache in self.kv_caches:
-                    cache.share_memory_()  # here, not in the queue's thread: steps follow
-                kv_queue.put((self.group.rank, self.kv_caches))
+                share_kv(self.kv_caches)
             if not isinstance(step, StepMessage):
                 continue
             meta = self.backend.build_metadata(step.seqs, self.device)
@@ -99,7 +100,7 @@ class TPModelRunner(ModelRunner):
 
 
 def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
-    """Rank `rank`'s device: the CPU, or GPU `rank` of this host."""
+    """Rank `rank`'s device on a host whose GPUs it sees all: the CPU, or GPU `rank`."""
     if device.type == "cpu":
         return device
     if device.type != "cuda" or device.index is not None:
@@ -115,56 +116,103 @@ def rank_device(device: torch.device, rank: int, size: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-class RankProcesses:
-    """Ranks 1..t-1 of an engine, as local processes, and rank 0's group with them."""
+class RankHandle(Protocol):
+    """One rank 1.. as its launcher started it (a `multiprocessing` process is one)."""
 
-    def __init__(
-        self,
-        group: TPGroup,
-        processes: list[BaseProcess],
-        store: dist.Store,
-        kv_queue: KVQueue,
-    ) -> None:
-        self.group = group
-        self.processes = processes
-        self._store = store  # the ranks' rendezvous; kept while they run
-        self._kv_queue = kv_queue
-        self._last_sent = time.monotonic()  # of the last keep-alive
-        self._finalizer = weakref.finalize(self, _stop, group, processes)
+    @property
+    def name(self) -> str: ...
 
-    @classmethod
-    def start(cls, config: EngineConfig, model_path: Path, main: RankMain) -> RankProcesses:
-        """Spawn ranks 1.. running `main` and join them as rank 0."""
-        mc = config.model
-        size = mc.tensor_parallel_size
-        device = rank_device(model_device(mc), 0, size)
-        store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=LOAD_TIMEOUT)
+    @property
+    def exitcode(self) -> int | None: ...  # None while it runs
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+# What a launcher starts rank r with: rank_main(*args), args = (main, config, model path, rank,
+# the store's port, the rank's device).
+RankArgs = tuple[RankMain, EngineConfig, Path, int, int, torch.device]
+
+
+class RankLauncher(ABC):
+    """Where ranks 1.. of an engine run, and which device each of them sees."""
+
+    @abstractmethod
+    def device(self, device: torch.device, rank: int, size: int) -> torch.device:
+        """Rank `rank`'s device as its own process names it (`device`: the engine's)."""
+
+    @abstractmethod
+    def launch(self, ranks: list[RankArgs]) -> list[RankHandle]:
+        """Start one rank per `RankArgs`, each running `rank_main(*args)`."""
+
+
+class LocalProcesses(RankLauncher):
+    """Ranks as processes of this host, spawned by rank 0 (torch.multiprocessing)."""
+
+    def device(self, device: torch.device, rank: int, size: int) -> torch.device:
+        return rank_device(device, rank, size)
+
+    def launch(self, ranks: list[RankArgs]) -> list[RankHandle]:
         context = torch.multiprocessing.get_context("spawn")
-        kv_queue: KVQueue = context.Queue()
-        processes: list[BaseProcess] = [
+        processes = [
             context.Process(
-                target=_rank_main,
-                args=(main, config, model_path, rank, store.port, kv_queue),
-                name=f"tandem-tp-rank-{rank}",
-                daemon=True,
+                target=rank_main, args=args, name=f"tandem-tp-rank-{args[3]}", daemon=True
             )
-            for rank in range(1, size)
+            for args in ranks
         ]
         for process in processes:
             process.start()
+        return list(processes)
+
+
+class Ranks:
+    """Ranks 1..t-1 of an engine, wherever their launcher runs them, and rank 0's group."""
+
+    def __init__(self, group: TPGroup, handles: list[RankHandle], store: dist.Store) -> None:
+        self.group = group
+        self.handles = handles
+        self._store = store  # the ranks' rendezvous and KV hand-over; kept while they run
+        self._last_sent = time.monotonic()  # of the last keep-alive
+        self._finalizer = weakref.finalize(self, _stop, group, handles)
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        model_path: Path,
+        main: RankMain,
+        launcher: RankLauncher | None = None,
+    ) -> Ranks:
+        """Have `launcher` (default: local processes) start ranks 1.. running `main`, and join
+        them as rank 0."""
+        launcher = launcher or LocalProcesses()
+        mc = config.model
+        size, engine_device = mc.tensor_parallel_size, model_device(mc)
+        device = launcher.device(engine_device, 0, size)
+        store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=LOAD_TIMEOUT)
+        port = store.port
+        handles = launcher.launch(
+            [
+                (main, config, model_path, rank, port, launcher.device(engine_device, rank, size))
+                for rank in range(1, size)
+            ]
+        )
         try:
-            _await_started(store, processes)
+            _await_started(store, handles)
             group = TPGroup.join(store, 0, size, device, mc.tp_timeout_s)
         except RuntimeError as e:
-            _kill(processes)
-            codes = [p.exitcode for p in processes]
+            _kill(handles)
+            codes = [h.exitcode for h in handles]
             raise TensorParallelError(f"the ranks did not join (exit codes {codes}): {e}") from e
-        return cls(group, processes, store, kv_queue)
+        return cls(group, handles, store)
 
     @property
     def healthy(self) -> bool:
-        """Every rank process is alive and no collective has failed."""
-        return not self.group.broken and all(p.is_alive() for p in self.processes)
+        """Every rank is alive and no collective has failed."""
+        return not self.group.broken and all(h.is_alive() for h in self.handles)
 
     def keep_alive(self) -> None:
         """Rank 0, idle: a keep-alive to the ranks if none went for KEEPALIVE_S; a failure (a
@@ -180,9 +228,8 @@ class RankProcesses:
         mapped into this process (shared memory, CUDA IPC). Call between steps, at the start:
         a rank moves its CPU cache into shared memory first (a copy of its KV budget)."""
         send_control(self.group, SHARE_KV)
-        timeout = LOAD_TIMEOUT.total_seconds()
-        shared = dict(self._kv_queue.get(timeout=timeout) for _ in self.processes)
-        return [own, *(shared[rank] for rank in range(1, self.group.size))]
+        shared = [pickle.loads(self._store.get(_kv_key(r))) for r in range(1, self.group.size)]
+        return [own, *shared]
 
     def stop(self) -> None:
         """Stop the ranks (once)."""
@@ -191,51 +238,69 @@ class RankProcesses:
     def kill(self) -> None:
         """Kill the ranks without a word to them (they may be stuck in a collective)."""
         self._finalizer.detach()
-        _kill(self.processes)
+        _kill(self.handles)
 
 
-def _rank_main(
-    main: RankMain, config: EngineConfig, model_path: Path, rank: int, port: int, kv_queue: KVQueue
+def rank_main(
+    main: RankMain,
+    config: EngineConfig,
+    model_path: Path,
+    rank: int,
+    port: int,
+    device: torch.device,
 ) -> None:
-    """A spawned rank: join the group, then `main`."""
+    """A rank 1.., wherever its launcher started it: join the group, then `main`."""
     mc = config.model
-    size = mc.tensor_parallel_size
-    device = rank_device(model_device(mc), rank, size)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif mc.cpu_threads is not None:
         torch.set_num_threads(mc.cpu_threads)
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     store.set(f"started/{rank}", "")
-    main(config, model_path, TPGroup.join(store, rank, size, device, mc.tp_timeout_s), kv_queue)
+    group = TPGroup.join(store, rank, mc.tensor_parallel_size, device, mc.tp_timeout_s)
+    main(config, model_path, group, partial(_share_kv, store, rank))
 
 
-def _await_started(store: dist.Store, processes: list[BaseProcess]) -> None:
-    """Wait until every rank process has reached the store; a process that exits first (an
-    import error, a bad environment) fails the start at once rather than after the timeout."""
-    keys = [f"started/{rank}" for rank in range(1, len(processes) + 1)]
+def _kv_key(rank: int) -> str:
+    return f"kv/{rank}"
+
+
+def _share_kv(store: dist.Store, rank: int, caches: list[torch.Tensor]) -> None:
+    """Rank `rank`'s caches into shared memory, their handles into the store for rank 0
+    (pickled as torch.multiprocessing does: a file descriptor or shared-memory file per storage,
+    as the process's sharing strategy says; a CUDA IPC handle on a GPU)."""
+    for cache in caches:
+        cache.share_memory_()
+    store.set(_kv_key(rank), bytes(ForkingPickler.dumps(caches)))
+
+
+def _await_started(store: dist.Store, handles: list[RankHandle]) -> None:
+    """Wait until every rank has reached the store; one that exits first (an import error, a
+    bad environment) fails the start at once rather than after the timeout."""
+    keys = [f"started/{rank}" for rank in range(1, len(handles) + 1)]
     deadline = time.monotonic() + LOAD_TIMEOUT.total_seconds()
     while not store.check(keys):
-        for process in processes:
-            if process.exitcode is not None:
-                raise TensorParallelError(f"{process.name} exited with code {process.exitcode}")
+        for handle in handles:
+            if not handle.is_alive():
+                raise TensorParallelError(f"{handle.name} exited with code {handle.exitcode}")
         if time.monotonic() > deadline:
             raise TensorParallelError(f"the ranks did not start within {LOAD_TIMEOUT}")
         time.sleep(START_POLL_S)
 
 
-def _stop(group: TPGroup, processes: list[BaseProcess]) -> None:
+def _stop(group: TPGroup, handles: list[RankHandle]) -> None:
     if not group.broken:  # else some rank is dead or stuck in a collective: kill them all
         # A rank already gone cannot take the message; the join below then finds it dead.
         with contextlib.suppress(RuntimeError):
             send_control(group, STOP)
-        for process in processes:
-            process.join(JOIN_SECONDS)
-    _kill(processes)
+        for handle in handles:
+            handle.join(JOIN_SECONDS)
+    _kill(handles)
 
 
-def _kill(processes: list[BaseProcess]) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.kill()
-        process.join()
+def _kill(handles: list[RankHandle]) -> None:
+    """Kill every rank (whatever its launcher keeps of it after its main returned goes too)."""
+    for handle in handles:
+        handle.kill()
+    for handle in handles:
+        handle.join(JOIN_SECONDS)

@@ -1,0 +1,182 @@
+"""Tensor-parallel workers on local Ray (CPU, Gloo): each worker of a TP 2 pool is its worker
+actor (rank 0) and one rank actor, in the two bundles of the worker's placement group; the
+cluster answers with the single-device engine's greedy tokens; killing a rank actor takes its
+worker out of the registry within the TTL, ends its in-flight requests with an error, and the
+controller replaces the whole worker (its actors and placement group gone). A TP size larger than
+a worker's bundles or GPUs is refused naming it.
+
+One module-scoped cluster: prefill TP 2 (its KV read from both ranks) and decode TP 2 (a decode
+rank is the one killed: decoding requests are in flight there), tiny random Llama, float32, one
+thread per rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+import torch
+from ray.util.placement_group import placement_group, placement_group_table
+
+from tandem.cluster.pools import NAMESPACE, PoolSpec
+from tandem.cluster.rank_actors import RayActors
+from tandem.cluster.ray_cluster import RayCluster
+from tandem.config import EngineConfig, RouterConfig
+from tandem.engine.engine_core import EngineCore
+from tandem.sampling_params import SamplingParams
+from tandem.v1 import api_pb2, api_pb2_grpc
+
+pytestmark = pytest.mark.timeout(240)
+
+ENGINE = {"num_blocks": 128, "block_size": 4, "num_threads": 1}
+TTL_S = 3.0  # each TP worker's collectives time out at half of it
+MAX_TOKENS = 8
+PROMPTS = [[3 + (i * 7 + j * 13) % 250 for j in range(20 + 3 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path: Path) -> Iterator[RayCluster]:
+    c = RayCluster(
+        str(tiny_llama_path),
+        1,
+        1,
+        http_port=0,
+        grpc_port=0,
+        engine=ENGINE,
+        prefill_pool=PoolSpec(0.5, tensor_parallel_size=2),
+        decode_pool=PoolSpec(0.5, tensor_parallel_size=2),
+        # A request on the killed worker fails at once rather than wait for the replacement.
+        router=RouterConfig(str(tiny_llama_path), local_prefill_tokens=8, decode_wait_s=0.0),
+        num_cpus=8,
+        heartbeat_ttl_s=TTL_S,
+    )
+    c.start(timeout_s=180)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_path: Path) -> list[list[int]]:
+    engine = EngineCore(EngineConfig.create(str(tiny_llama_path), **ENGINE))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def generate(stub: api_pb2_grpc.TandemStub, prompt: list[int]) -> tuple[list[int], str]:
+    """Greedy tokens and the decode worker that made them."""
+    request = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=prompt),
+        sampling=api_pb2.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
+    )
+    tokens: list[int] = []
+    decode_worker = ""
+    for msg in stub.Generate(request, timeout=30):
+        tokens.extend(msg.token_ids)
+        decode_worker = msg.timings.decode_worker or decode_worker
+    return tokens, decode_worker
+
+
+def workers(cluster: RayCluster, role: str) -> set[str]:
+    assert cluster.registry is not None
+    return {w.worker_id for w in cluster.registry.workers(role=role)}
+
+
+def worker_groups() -> dict[str, dict]:
+    """The workers' live placement groups by name."""
+    return {
+        pg["name"]: pg
+        for pg in placement_group_table().values()
+        if pg["name"].startswith("tandem-") and pg["state"] == "CREATED"
+    }
+
+
+def test_ranks_in_the_workers_placement_groups_answer_like_one_device(
+    cluster: RayCluster, reference: list[list[int]]
+) -> None:
+    groups = worker_groups()
+    assert sorted(name.split("-")[1] for name in groups) == ["decode", "prefill"]
+    free = ray.available_resources()
+    for name, pg in groups.items():
+        assert pg["strategy"] == "STRICT_PACK" and len(pg["bundles"]) == 2
+        # Bundle 0 holds the worker actor (rank 0), bundle 1 the rank actor: both taken.
+        for bundle in (0, 1):
+            assert free.get(f"CPU_group_{bundle}_{pg['placement_group_id']}", 0.0) == 0.0
+        assert ray.get_actor(f"{name}-rank-1", namespace=NAMESPACE) is not None
+    assert cluster.router_address is not None
+    stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(cluster.router_address.grpc_target))
+    for prompt, expected in zip(PROMPTS, reference, strict=True):
+        assert generate(stub, prompt)[0] == expected
+
+
+def test_a_killed_rank_takes_its_worker_out_and_the_worker_is_replaced(
+    cluster: RayCluster, reference: list[list[int]]
+) -> None:
+    assert cluster.router_address is not None and cluster.router_server is not None
+    stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(cluster.router_address.grpc_target))
+    (victim,) = workers(cluster, "decode")
+    (group,) = [name for name in worker_groups() if name.startswith("tandem-decode-")]
+    worker_actor = ray.get(cluster.controller.worker_actor.remote(victim))
+    rank1 = ray.get_actor(f"{group}-rank-1", namespace=NAMESPACE)
+    request = api_pb2.GenerateRequest(
+        prompt_token_ids=api_pb2.TokenIds(ids=PROMPTS[0]),
+        sampling=api_pb2.SamplingOptions(max_tokens=400, temperature=0.0, ignore_eos=True),
+    )
+    streams = [stub.Generate(request, timeout=60) for _ in range(2)]
+    for stream in streams:
+        next(stream)  # decoding on the victim
+    ray.kill(rank1, no_restart=True)
+    killed = time.monotonic()
+    errors = []
+    for stream in streams:  # each ends with an error, never hangs
+        with pytest.raises(grpc.RpcError) as error:
+            for _ in stream:
+                pass
+        errors.append(error.value)
+    ended = time.monotonic() - killed
+    while victim in workers(cluster, "decode") and time.monotonic() - killed < TTL_S:
+        time.sleep(0.05)
+    assert victim not in workers(cluster, "decode"), f"still registered {TTL_S} s after the kill"
+    assert ended < TTL_S, f"the in-flight requests took {ended:.1f} s to end"
+    assert {e.code() for e in errors} == {grpc.StatusCode.UNAVAILABLE}, errors
+
+    deadline = time.monotonic() + 120
+    while not (fresh := workers(cluster, "decode") - {victim}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert fresh, "no replacement decode worker registered"
+    # The whole worker went: its placement group, its worker actor and its rank actor.
+    assert placement_group_table()[_group_id(group)]["state"] == "REMOVED"
+    with pytest.raises(ValueError):
+        ray.get_actor(f"{group}-rank-1", namespace=NAMESPACE)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker_actor.ping.remote(), timeout=10)
+    assert cluster.router_server.snapshot.wait_for_refresh(5.0)
+    tokens, decode_worker = generate(stub, PROMPTS[1])
+    assert tokens == reference[1] and decode_worker in fresh
+
+
+def _group_id(name: str) -> str:
+    (pg_id,) = [k for k, pg in placement_group_table().items() if pg["name"] == name]
+    return pg_id
+
+
+@pytest.mark.usefixtures("cluster")
+def test_more_ranks_than_bundles_or_gpus_refused() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=4 needs 4 GPUs.*per_worker=2"):
+        PoolSpec(gpus_per_worker=2, tensor_parallel_size=4)
+    pg = placement_group([{"CPU": 0.1}], name="tandem-test-one-bundle")
+    ray.get(pg.ready(), timeout=30)
+    try:
+        launcher = RayActors(pg, "tandem-test-one-bundle", NAMESPACE)
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 bundles .* has 1"):
+            launcher.device(torch.device("cpu"), 0, 2)
+    finally:
+        ray.util.remove_placement_group(pg)
