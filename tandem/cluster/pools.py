@@ -136,8 +136,10 @@ class WorkerActor:
         from tandem.cluster.rank_actors import RayActors
         from tandem.cluster.workers import build_worker
 
+        # Ranks 1.. in the other bundles of the group the controller placed this actor in
+        # (an actor placed outside one starts them as local processes).
         pg = ray.util.get_current_placement_group()
-        ranks = RayActors(pg, name, NAMESPACE) if tp > 1 else None
+        ranks = RayActors(pg, name, NAMESPACE) if tp > 1 and pg is not None else None
         self.server = build_worker(role, config, ranks)
 
     def info(self) -> dict[str, str]:

@@ -84,13 +84,13 @@ class RayActors(RankLauncher):
         return device if device.type == "cpu" else torch.device(device.type, 0)
 
     def launch(self, ranks: list[RankArgs]) -> list[RankHandle]:
-        actor_class = ray.remote(RankActor)
+        actor_class: Any = ray.remote(RankActor)
         handles: list[RankHandle] = []
         for args in ranks:
             rank = args[3]
             bundle = dict(self.placement_group.bundle_specs[rank])
             name = f"{self.name}-rank-{rank}"
-            actor = actor_class.options(  # type: ignore[attr-defined]
+            actor = actor_class.options(
                 name=name,
                 namespace=self.namespace,
                 num_cpus=bundle.pop("CPU", 0.0),

@@ -271,7 +271,8 @@ def _share_kv(store: dist.Store, rank: int, caches: list[torch.Tensor]) -> None:
     as the process's sharing strategy says; a CUDA IPC handle on a GPU)."""
     for cache in caches:
         cache.share_memory_()
-    store.set(_kv_key(rank), bytes(ForkingPickler.dumps(caches)))
+    handles = bytes(ForkingPickler.dumps(caches))
+    store.set(_kv_key(rank), handles)  # type: ignore[arg-type]  # bytes: the stubs say str
 
 
 def _await_started(store: dist.Store, handles: list[RankHandle]) -> None:
