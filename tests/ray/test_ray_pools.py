@@ -15,12 +15,12 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
+import ray_helpers
+from ray_helpers import greedy_reference
 
 from tandem.cluster.pools import PoolSpec
 from tandem.cluster.ray_cluster import RayCluster
-from tandem.config import EngineConfig, RouterConfig
-from tandem.engine.engine_core import EngineCore
-from tandem.sampling_params import SamplingParams
+from tandem.config import RouterConfig
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,26 +59,12 @@ def cluster(tiny_llama_path: Path) -> Iterator[RayCluster]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path: Path) -> list[list[int]]:
-    engine = EngineCore(EngineConfig.create(str(tiny_llama_path), **ENGINE))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
+    return greedy_reference(tiny_llama_path, ENGINE, PROMPTS, MAX_TOKENS)
 
 
 def generate(stub: api_pb2_grpc.TandemStub, prompt: list[int], max_tokens: int = MAX_TOKENS,
              timeout: float = 30.0) -> tuple[list[int], api_pb2.GenerateResponse]:  # fmt: skip
-    request = api_pb2.GenerateRequest(
-        prompt_token_ids=api_pb2.TokenIds(ids=prompt),
-        sampling=api_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-    )
-    tokens: list[int] = []
-    last = api_pb2.GenerateResponse()
-    for msg in stub.Generate(request, timeout=timeout):
-        tokens.extend(msg.token_ids)
-        last = msg
-    return tokens, last
+    return ray_helpers.generate(stub, prompt, max_tokens, timeout)
 
 
 class SteadyLoad:

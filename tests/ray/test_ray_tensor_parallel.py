@@ -19,15 +19,15 @@ from pathlib import Path
 import grpc
 import pytest
 import ray
+import ray_helpers
 import torch
 from ray.util.placement_group import placement_group, placement_group_table
+from ray_helpers import greedy_reference
 
 from tandem.cluster.pools import NAMESPACE, PoolSpec
 from tandem.cluster.rank_actors import RayActors
 from tandem.cluster.ray_cluster import RayCluster
-from tandem.config import EngineConfig, RouterConfig
-from tandem.engine.engine_core import EngineCore
-from tandem.sampling_params import SamplingParams
+from tandem.config import RouterConfig
 from tandem.v1 import api_pb2, api_pb2_grpc
 
 pytestmark = pytest.mark.timeout(240)
@@ -63,26 +63,13 @@ def cluster(tiny_llama_path: Path) -> Iterator[RayCluster]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_path: Path) -> list[list[int]]:
-    engine = EngineCore(EngineConfig.create(str(tiny_llama_path), **ENGINE))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
-    while engine.has_unfinished():
-        engine.step()
-    return [r.output_token_ids for r in reqs]
+    return greedy_reference(tiny_llama_path, ENGINE, PROMPTS, MAX_TOKENS)
 
 
 def generate(stub: api_pb2_grpc.TandemStub, prompt: list[int]) -> tuple[list[int], str]:
     """Greedy tokens and the decode worker that made them."""
-    request = api_pb2.GenerateRequest(
-        prompt_token_ids=api_pb2.TokenIds(ids=prompt),
-        sampling=api_pb2.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
-    )
-    tokens: list[int] = []
-    decode_worker = ""
-    for msg in stub.Generate(request, timeout=30):
-        tokens.extend(msg.token_ids)
-        decode_worker = msg.timings.decode_worker or decode_worker
-    return tokens, decode_worker
+    tokens, last = ray_helpers.generate(stub, prompt, MAX_TOKENS)
+    return tokens, last.timings.decode_worker
 
 
 def workers(cluster: RayCluster, role: str) -> set[str]:

@@ -7,12 +7,14 @@ split across ranks, or replicated when there are more ranks than KV heads, so ea
 KV cache holds its heads under the same block table.
 
 One engine is `tensor_parallel_size` ranks: rank 0 (the engine's own process) schedules and
-broadcasts each step's inputs (`step.StepMessage`); ranks 1.. are processes it starts
-(`ranks.RankProcesses`) that run the model on what they receive.
+broadcasts each step's inputs (`step.StepMessage`); ranks 1.. are processes its launcher starts
+(`ranks.Ranks`: local processes, or Ray actors from tandem/cluster/) that run the model on what
+they receive.
 
 - `group.py`   the process group and its collectives (`TPGroup`)
 - `shard.py`   which part of each weight a rank keeps, and the checks of a configuration
 - `step.py`    the step message rank 0 broadcasts
-- `ranks.py`   the rank processes, and the runner that broadcasts (rank 0) or serves (the others)
+- `ranks.py`   the ranks and their launchers, and the runner that broadcasts (rank 0) or serves
+               (the others)
 - `kv_view.py` rank 0's view of every rank's KV cache, for a worker's KV transfer
 """

@@ -1,7 +1,7 @@
 """Rank 0's view of a tensor-parallel engine's whole KV cache, for a worker's KV transfer.
 
 Each rank's cache holds its KV heads (`shard.py`). Rank 0 asks the ranks for their cache tensors
-once (`RankProcesses.kv_caches`): torch.multiprocessing hands them over as shared memory on the
+once (`Ranks.kv_caches`): torch.multiprocessing hands them over as shared memory on the
 CPU, CUDA IPC openings on GPUs, so rank 0 reads and writes every rank's blocks in place. A layer
 of the whole cache is then a `HeadShards`: the ranks' tensors of that layer and the whole model's
 heads each holds. The KV transfer (`kv_transfer/layout.py`) gathers whole heads from it and
