@@ -323,11 +323,9 @@ class _Launched(Exception):
     """Raised by the recording cluster doubles below in place of starting anything."""
 
 
-def test_cli_serve_passes_the_speculative_switches_to_the_workers(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`tandem serve --spec ... --no-spec-cost-aware` reaches the decode workers on both launch
-    paths: Ray pools get the engine's dict, local processes get the worker's flags."""
+def _record_launches(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Test doubles of the Ray and the local cluster that record their keyword arguments (by
+    kind: "ray", "local") and raise `_Launched` at start."""
     import tandem.cluster.local_cluster
     import tandem.cluster.ray_cluster
 
@@ -348,6 +346,15 @@ def test_cli_serve_passes_the_speculative_switches_to_the_workers(
 
     monkeypatch.setattr(tandem.cluster.ray_cluster, "RayCluster", recorder("ray"))
     monkeypatch.setattr(tandem.cluster.local_cluster, "LocalCluster", recorder("local"))
+    return launched
+
+
+def test_cli_serve_passes_the_speculative_switches_to_the_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`tandem serve --spec ... --no-spec-cost-aware` reaches the decode workers on both launch
+    paths: Ray pools get the engine's dict, local processes get the worker's flags."""
+    launched = _record_launches(monkeypatch)
     runner = CliRunner()
     args = ["serve", "--spec", "ngram", "--no-spec-cost-aware", "--no-demo"]
     assert isinstance(runner.invoke(app, args).exception, _Launched)
@@ -358,3 +365,24 @@ def test_cli_serve_passes_the_speculative_switches_to_the_workers(
     assert flags[flags.index("--spec") + 1] == "ngram" and "--no-spec-cost-aware" in flags
     runner.invoke(app, ["serve", "--spec", "ngram", "--no-ray", "--no-demo"])
     assert "--no-spec-cost-aware" not in launched["local"]["worker_args"]
+
+
+def test_cli_serve_on_ray_takes_each_pools_tp_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--prefill-tp/--decode-tp` on Ray: a bundle per rank in each pool's workers; a TP size
+    above the GPUs a worker has is refused naming both, before anything starts."""
+    launched = _record_launches(monkeypatch)
+    runner = CliRunner()
+    args = ["serve", "--prefill-tp", "2", "--decode-tp", "1", "--no-demo"]
+    assert isinstance(runner.invoke(app, args).exception, _Launched)
+    prefill, decode = launched["ray"]["prefill_pool"], launched["ray"]["decode_pool"]
+    assert (prefill.tensor_parallel_size, len(prefill.bundles())) == (2, 2)
+    assert prefill.placement_strategy == "STRICT_PACK"
+    assert (decode.tensor_parallel_size, len(decode.bundles())) == (1, 1)
+    launched.clear()
+    result = runner.invoke(app, [*args, "--gpus-per-worker", "1"])
+    assert result.exit_code == 2 and launched == {}
+    words = " ".join(result.output.replace("│", " ").split())  # the error box wraps lines
+    assert "--prefill-tp/--gpus-per-worker" in words
+    assert "tensor_parallel_size=2 needs 2 GPUs per worker, one per rank; gpus_per_worker=1" in (
+        words
+    )
