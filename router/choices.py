@@ -19,16 +19,9 @@ from dataclasses import replace
 
 from router.core import CHOICE_SUFFIX, Prepared
 from router.relay import Delta
+from tandem.sampling_params import MAX_N, derived_seed
 
-MAX_N = 128  # choices per request, as OpenAI allows
-_INT64 = 2**64
-
-
-def derived_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: `seed + index` wrapped into int64 (the wire type), or None."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2
+__all__ = ["MAX_N", "choice_preps", "derived_seed", "merged"]
 
 
 def choice_preps(prep: Prepared, n: int) -> list[Prepared]:
