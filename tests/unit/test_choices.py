@@ -13,13 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import torch
-
-from tandem.engine import LLM
-from tandem.engine.engine_core import EngineCore
-from tandem.engine.request import Request, RequestStatus
-from tandem.sampling_params import SamplingParams
-from tests.unit.test_roles import (
+from test_roles import (
     BLOCK_SIZE,
     DecodeRole,
     PrefillRole,
@@ -29,6 +23,11 @@ from tests.unit.test_roles import (
     prompts_of,
     run,
 )
+
+from tandem.engine import LLM
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.request import Request, RequestStatus
+from tandem.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,6 +44,15 @@ def singles(engine: EngineCore, prompt: list[int], params: SamplingParams) -> li
 
 def choices_of(req: Request) -> list[Request]:
     return [req, *req.forks]
+
+
+def finish_as_singles(engine: EngineCore, req: Request, path: Path) -> None:
+    """Run `engine` to the end: each choice of `req` equals its request of its own (seed + i,
+    on an engine with blocks to spare), and every block is free."""
+    run(engine)
+    want = singles(make_engine(path, num_blocks=32), req.prompt_token_ids, req.params)
+    assert [r.output_token_ids for r in choices_of(req)] == want
+    assert_all_free(engine)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -114,11 +122,8 @@ def test_preempted_choices_recompute_without_corrupting_the_shared_blocks(
     params = replace(SEEDED, n=3, max_tokens=16)
     engine = make_engine(tiny_llama_path, num_blocks=8)
     req = engine.add_request("r", PROMPT, params)
-    run(engine)
+    finish_as_singles(engine, req, tiny_llama_path)
     assert engine.scheduler.num_preemptions > 0
-    want = singles(make_engine(tiny_llama_path, num_blocks=32), PROMPT, params)
-    assert [r.output_token_ids for r in choices_of(req)] == want
-    assert_all_free(engine)
 
 
 def test_a_fork_without_a_block_for_its_copy_is_preempted_and_recomputes(
@@ -131,10 +136,7 @@ def test_a_fork_without_a_block_for_its_copy_is_preempted_and_recomputes(
     engine.step()
     assert req.forks[0].status == RequestStatus.PREEMPTED
     assert req.forks[0].output_token_ids  # its first token kept: it recomputes through it
-    run(engine)
-    want = singles(make_engine(tiny_llama_path, num_blocks=32), PROMPT, params)
-    assert [r.output_token_ids for r in choices_of(req)] == want
-    assert_all_free(engine)
+    finish_as_singles(engine, req, tiny_llama_path)
 
 
 def test_n_is_validated(tiny_llama_path: Path) -> None:
@@ -172,10 +174,7 @@ def test_disaggregated_choices_one_prefill_n_first_tokens(tiny_llama_path: Path)
     p_engine.scheduler.release("r")
     assert_all_free(p_engine)
     assert d_engine.kv_cache.num_free_blocks == 100 - 2 - 3  # full blocks shared, partial copied
-    run(d_engine)
-    assert_all_free(d_engine)
-    want = singles(make_engine(tiny_llama_path), PROMPT, params)
-    assert [r.output_token_ids for r in choices_of(decoding)] == want
+    finish_as_singles(d_engine, decoding, tiny_llama_path)
 
 
 def test_disaggregated_arrival_needs_a_first_token_per_fork(tiny_llama_path: Path) -> None:
@@ -194,4 +193,3 @@ def test_greedy_choices_agree_token_for_token(tiny_llama_path: Path) -> None:
     run(engine)
     outs = [r.output_token_ids for r in choices_of(req)]
     assert all(o == outs[0] for o in outs) and len(outs[0]) == 6
-    assert torch.tensor(outs).shape == (4, 6)
