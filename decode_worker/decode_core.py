@@ -197,6 +197,11 @@ class DecodeWorker(EngineLoop):
             return
         if a.state == TransferState.SUCCESS:
             assert a.first_token is not None
+            if len(a.fork_first_tokens) != len(scheduler.parked[rid].forks):
+                # A prefill worker that did not sample every choice's first token (one older
+                # than n on the wire): the prompt is computed here, in its blocks.
+                scheduler.compute_prompt_locally(rid)
+                return
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
             self.transfer_metrics.success(a.nbytes, a.seconds, exposed)
             firsts = [(a.first_token, a.logprobs), *a.fork_first_tokens]

@@ -5,6 +5,7 @@ with EAGLE on both sides, the prompt's hidden states come along."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,16 @@ def test_n_choices_are_prefilled_and_sent_once(
     want = decode_proc.call("colocated_choices", model, prompt, params)
     assert [tokens for tokens, _ in choices] == want
     assert len({tuple(w) for w in want}) > 1
+    prefill_proc.call("wait_idle", "p")
+    decode_proc.call("wait_idle", "d")
+
+    # A prefill worker that samples choice 0's first token only (one older than n on the wire):
+    # the decode worker computes the prompt itself, with the same choices.
+    ticket = decode_proc.call("reserve", "d", "r1", prompt, MAX_TOKENS, params=params)
+    one = replace(params, n=1)
+    prefill_proc.call("submit", "p", "r1", prompt, MAX_TOKENS, ticket, params=one)
+    prefill_proc.call("prefill_result", "r1")
+    assert [tokens for tokens, _ in decode_proc.call("choices", "r1", within=20.0)] == want
     prefill_proc.call("wait_idle", "p")
     decode_proc.call("wait_idle", "d")
 

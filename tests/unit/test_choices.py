@@ -72,6 +72,17 @@ def test_offline_choices_equal_single_requests_seeded_seed_plus_i(
     assert_all_free(llm.engine)
 
 
+def test_offline_stream_of_choices(tiny_llama_path: Path) -> None:
+    llm = LLM(str(tiny_llama_path), num_blocks=64, block_size=BLOCK_SIZE)
+    params = replace(SEEDED, n=2)
+    last = {out.index: out for out in llm.stream(PROMPT, params)}
+    assert [last[i].token_ids for i in (0, 1)] == [
+        o.token_ids for o in llm.generate(PROMPT, params)
+    ]
+    assert all(out.finished for out in last.values())
+    assert_all_free(llm.engine)
+
+
 def test_choices_share_the_prompts_full_blocks_and_copy_the_partial_one(
     tiny_llama_path: Path,
 ) -> None:
