@@ -73,6 +73,7 @@ MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this of
 MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
+CHOICE_ABORT_S = 5.0  # the timeout of the Abort that ends one choice on its decode worker
 
 
 class DecodeLost(Exception):
@@ -502,7 +503,7 @@ class Router:
 
         async def abort() -> None:
             try:
-                await stub.Abort(request, timeout=MARK_DOWN_S)
+                await stub.Abort(request, timeout=CHOICE_ABORT_S)
             except grpc.aio.AioRpcError as e:  # the choice ends with the request anyway
                 log.warning("abort of %s failed: %s", request.request_id, e)
 
