@@ -13,6 +13,11 @@ A request's life here:
                               write into them; the stream ends (aborted)
 
 `local=True` at reserve skips the transfer (conditional disaggregation: D prefills itself).
+
+n > 1 choices: the prompt's blocks are reserved and received once; the arrival carries every
+choice's first token and the choices fork over the blocks (tandem/engine/scheduler.py). Their
+chunks share one stream, each tagged with its choice's index; the stream ends once every choice
+has ended. Cancelling the request's id ends every choice; a choice's own id ends that one.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
 from tandem.engine.tp.ranks import RankLauncher
 from tandem.outputs import TokenLogprobs
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, choice_request_id
 
 
 @dataclass(frozen=True)
@@ -50,26 +55,32 @@ class TokenChunk:
     draft_tokens: int = 0  # on the last chunk: speculative tokens verified, and accepted
     accepted_tokens: int = 0
     transfer_s: float = 0.0  # on the first chunk after a transfer: prefill end to admission
+    index: int = 0  # the choice these tokens are of
 
 
 class OutputStream:
-    """The chunks of one request, for another thread to iterate; ends with a finished chunk, or
-    raises the error that ended it (e.g. a TransferError under `fail`)."""
+    """The chunks of one request (of each of its n choices), for another thread to iterate;
+    ends with a finished chunk of every choice, or raises the error that ended it (e.g. a
+    TransferError under `fail`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, request_id: str = "", n: int = 1) -> None:
+        self.choice_ids = [choice_request_id(request_id, i) for i in range(n)]
         self._queue: queue.Queue[TokenChunk | BaseException] = queue.Queue()
 
     def put(self, item: TokenChunk | BaseException) -> None:
         self._queue.put(item)
 
     def __iter__(self) -> Iterator[TokenChunk]:
+        open_choices = len(self.choice_ids)
         while True:
             item = self._queue.get()
             if isinstance(item, BaseException):
                 raise item
             yield item
             if item.finish_reason is not None:
-                return
+                open_choices -= 1
+                if not open_choices:
+                    return
 
     def tokens(self) -> list[int]:
         return [t for chunk in self for t in chunk.token_ids]
@@ -116,7 +127,8 @@ class DecodeWorker(EngineLoop):
         self.arrivals = engine.executor.arrivals(self.receiver, engine.scheduler)
         self.transfer = transfer
         self.transfer_metrics = TransferMetrics()
-        self._streams: dict[str, OutputStream] = {}
+        self._streams: dict[str, OutputStream] = {}  # by choice id, until the choice ends
+        self._requests: dict[str, OutputStream] = {}  # by request id, until every choice ends
         self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
         self._cancelling: set[str] = set()
 
@@ -133,7 +145,7 @@ class DecodeWorker(EngineLoop):
         """Queue a request; the future gives its ticket once blocks are reserved (None when
         `local`), or raises ValueError for a bad request."""
         ticket: Future[KVTicket | None] = Future()
-        stream = OutputStream()
+        stream = OutputStream(request_id, params.n)
 
         def add() -> None:
             try:
@@ -141,7 +153,8 @@ class DecodeWorker(EngineLoop):
             except ValueError as e:
                 ticket.set_exception(e)
                 return
-            self._streams[request_id] = stream
+            self._requests[request_id] = stream
+            self._streams.update(dict.fromkeys(stream.choice_ids, stream))
             if local:
                 self.role.local.add(request_id)
                 ticket.set_result(None)
@@ -152,6 +165,7 @@ class DecodeWorker(EngineLoop):
         return ticket, stream
 
     def cancel(self, request_id: str) -> None:
+        """End the request (every choice), or one choice by its id."""
         self.call(lambda: self._cancel(request_id))
 
     # -- loop thread --------------------------------------------------------------------------
@@ -185,10 +199,18 @@ class DecodeWorker(EngineLoop):
             return
         if a.state == TransferState.SUCCESS:
             assert a.first_token is not None
+            if len(a.fork_first_tokens) != len(scheduler.parked[rid].forks):
+                # A prefill worker that did not sample every choice's first token (one older
+                # than n on the wire): the prompt is computed here, in its blocks.
+                scheduler.compute_prompt_locally(rid)
+                return
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
             self.transfer_metrics.success(a.nbytes, a.seconds, exposed)
-            req = self.engine.remote_kv_arrived(rid, a.first_token, a.extras)
-            self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
+            firsts = [(a.first_token, a.logprobs), *a.fork_first_tokens]
+            fork_tokens = [t for t, _ in a.fork_first_tokens]
+            req = self.engine.remote_kv_arrived(rid, a.first_token, a.extras, fork_tokens)
+            for choice, (token, logprobs) in zip((req, *req.forks), firsts, strict=True):
+                self._emit(choice, [token], [logprobs] if logprobs else [], exposed or 0.0)
             return
         assert a.error is not None
         self.transfer_metrics.failure(a.error.cause)
@@ -196,8 +218,10 @@ class DecodeWorker(EngineLoop):
             scheduler.compute_prompt_locally(rid)
         else:
             self.engine.abort(rid)
-            stream = self._streams.pop(rid, None)
+            stream = self._requests.pop(rid, None)
             if stream is not None:
+                for choice_id in stream.choice_ids:
+                    self._streams.pop(choice_id, None)
                 stream.put(a.error)
 
     def _emit(
@@ -214,14 +238,30 @@ class DecodeWorker(EngineLoop):
         m = req.metrics
         stream.put(
             TokenChunk(
-                tokens, logprobs, reason, m.num_draft_tokens, m.num_accepted_tokens, transfer_s
+                tokens,
+                logprobs,
+                reason,
+                m.num_draft_tokens,
+                m.num_accepted_tokens,
+                transfer_s,
+                req.index,
             )
         )
         if reason is not None:
-            del self._streams[req.request_id]
-            self.role.local.discard(req.request_id)
+            self._ended(req.request_id, stream)
+
+    def _ended(self, choice_id: str, stream: OutputStream) -> None:
+        del self._streams[choice_id]
+        self.role.local.discard(choice_id)
+        if not any(c in self._streams for c in stream.choice_ids):
+            del self._requests[stream.choice_ids[0]]
 
     def _cancel(self, request_id: str) -> None:
+        stream = self._requests.get(request_id)
+        for choice_id in stream.choice_ids if stream is not None else [request_id]:
+            self._cancel_choice(choice_id)
+
+    def _cancel_choice(self, request_id: str) -> None:
         req = self.engine.scheduler.requests.get(request_id)
         if req is None:
             return
@@ -235,11 +275,18 @@ class DecodeWorker(EngineLoop):
         self._finish_aborted(request_id)
 
     def _finish_aborted(self, request_id: str) -> None:
+        req = self.engine.scheduler.requests.get(request_id)
         self.engine.abort(request_id)
         self.role.local.discard(request_id)
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.put(TokenChunk([], [], RequestStatus.FINISHED_ABORTED.value))
+        ended = [request_id]
+        if req is not None and req.forking:  # they end with the request that would fork them
+            ended += [f.request_id for f in req.forks]
+        for choice_id in ended:
+            stream = self._streams.get(choice_id)
+            if stream is not None:
+                index = stream.choice_ids.index(choice_id)
+                stream.put(TokenChunk([], [], RequestStatus.FINISHED_ABORTED.value, index=index))
+                self._ended(choice_id, stream)
 
     def fail_all(self, error: Exception) -> None:
         for request_id in list(self.engine.scheduler.requests):
@@ -247,10 +294,11 @@ class DecodeWorker(EngineLoop):
             self.engine.abort(request_id)
         for future in self._tickets.values():
             future.set_exception(error)
-        for stream in self._streams.values():
+        for stream in self._requests.values():
             stream.put(error)
         self._tickets.clear()
         self._streams.clear()
+        self._requests.clear()
         self._cancelling.clear()
         self.role.local.clear()
 

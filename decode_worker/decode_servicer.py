@@ -59,6 +59,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                         draft_tokens=chunk.draft_tokens,
                         accepted_tokens=chunk.accepted_tokens,
                         transfer_s=chunk.transfer_s,
+                        index=chunk.index,
                     )
                 )
         except TransferError as e:

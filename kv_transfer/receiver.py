@@ -73,6 +73,8 @@ class Arrival:
     header_time: float | None = None  # monotonic time the sender's header arrived
     done_time: float = 0.0
     first_token_unix: float = 0.0  # the sender's wall clock when it sampled the first token
+    # n > 1: the first tokens of the request's other choices, with their logprobs if asked for
+    fork_first_tokens: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -398,9 +400,8 @@ class KVReceiver:
             if res.cancelled:
                 raise TransferError(FailureCause.CANCELLED, "the request was aborted")
             a = res.arrival
-            first = chunk.trailer.first_token
-            a.first_token = first.token_id
-            a.logprobs = logprobs_from_proto(first.logprobs) if first.HasField("logprobs") else None
+            a.first_token, a.logprobs = _sampled(chunk.trailer.first_token)
+            a.fork_first_tokens = [_sampled(f) for f in chunk.trailer.fork_first_tokens]
             a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
             a.first_token_unix = chunk.trailer.first_token_unix
             res.status.advance(TransferState.SUCCESS)
@@ -470,3 +471,10 @@ def _service(receiver: KVReceiver) -> grpc.GenericRpcHandler:
             ),
         },
     )
+
+
+def _sampled(first: pb.FirstToken) -> tuple[int, TokenLogprobs | None]:
+    """A first token of the trailer: its id and its logprobs (None when none were asked for)."""
+    return first.token_id, logprobs_from_proto(first.logprobs) if first.HasField(
+        "logprobs"
+    ) else None

@@ -55,7 +55,8 @@ CHANNELS = ("auto", "grpc", "pair", "shm")
 WRITE_MARGIN_S = 0.25  # stop writing into a receiver's memory this long before its deadline
 RECEIVER_LAG_S = 1.0  # a stalled transfer waits this long for its receiver to time out too
 
-_Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor]]
+SampledToken = tuple[int, TokenLogprobs | None]  # a token id and its logprobs, if asked for
+_Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor], Sequence[SampledToken]]
 _KEEPALIVE = "keepalive"  # queued by renew(): the next message is a KeepAlive
 _Item = int | _Trailer | str | None  # a layer, the trailer, _KEEPALIVE, or the end
 
@@ -124,11 +125,13 @@ class OutboundTransfer:
         first_token: int,
         logprobs: TokenLogprobs | None = None,
         extras: dict[str, torch.Tensor] | None = None,
+        forks: Sequence[SampledToken] = (),
     ) -> None:
-        """The first token (and anything the receiver's proposer needs) ends the transfer."""
+        """The first token (and anything the receiver's proposer needs, and the first tokens of
+        the request's other choices) ends the transfer."""
         self.first_token = first_token
         self.first_token_unix = time.time()
-        self._items.put((first_token, logprobs, extras or {}))
+        self._items.put((first_token, logprobs, extras or {}, forks))
 
     def renew(self) -> None:
         """The request is still here and not started (queued, or its earlier chunks computing):
@@ -263,17 +266,17 @@ class OutboundTransfer:
                     return
                 self.nbytes += len(layers) * self.layout.layer_nbytes(self.ticket.num_tokens)
                 continue
-            first_token, logprobs, extras = item
+            first_token, logprobs, extras, forks = item
             try:
                 plane.flush(max(self.status.remaining(), 0))
             except Exception as e:  # end the stream; _run reports this cause
                 self._local_error = _transfer_error(e)
                 return
-            logprobs_msg = logprobs_to_proto(logprobs) if logprobs is not None else None
             trailer = pb.Trailer(
-                first_token=pb.FirstToken(token_id=first_token, logprobs=logprobs_msg),
+                first_token=_first_token(first_token, logprobs),
                 extras=[tensor_to_proto(k, v) for k, v in extras.items()],
                 first_token_unix=self.first_token_unix,
+                fork_first_tokens=[_first_token(t, lp) for t, lp in forks],
             )
             yield pb.KVChunk(trailer=trailer).SerializeToString()
             return
@@ -492,3 +495,9 @@ class KVSender:
             self.local.close()
         for channel in self._channels.values():
             channel.close()
+
+
+def _first_token(token_id: int, logprobs: TokenLogprobs | None) -> pb.FirstToken:
+    return pb.FirstToken(
+        token_id=token_id, logprobs=logprobs_to_proto(logprobs) if logprobs is not None else None
+    )

@@ -8,6 +8,8 @@ A request's life here:
     prefill, last chunk       layer l of the prompt goes out as soon as layer l is computed
                               (layer-wise streaming; off: all layers after the step)
     first token sampled       FINISHED_PREFILLED, blocks held; the trailer carries the token
+                              (n > 1: and the other choices' first tokens, sampled from the
+                              same logits: one prefill, one transfer)
     transfer final            blocks released; the submit future resolves (or fails with a
                               TransferError the router can retry elsewhere)
     abort                     the transfer stops; blocks are freed once no thread reads them
@@ -136,6 +138,7 @@ class PrefillWorker(EngineLoop):
         if self.step_delay_s:
             time.sleep(self.step_delay_s)  # injected: the step took this much longer
         now = time.monotonic()
+        first_logprobs = {d.request.request_id: d.logprobs[0] for d in deltas if d.logprobs}
         for d in deltas:
             req = d.request
             transfer = self._transfers.get(req.request_id)
@@ -145,7 +148,10 @@ class PrefillWorker(EngineLoop):
                 transfer.set_source(self.engine.kv_cache.block_table(req.request_id))
                 transfer.all_layers_ready()
             self._prefill_done[req.request_id] = now
-            transfer.finish(d.new_token_ids[0], d.logprobs[0] if d.logprobs else None, d.handover)
+            forks = [(f.output_token_ids[0], first_logprobs.get(f.request_id)) for f in req.forks]
+            transfer.finish(
+                d.new_token_ids[0], first_logprobs.get(req.request_id), d.handover, forks
+            )
 
     def before_step(self) -> None:
         for key, transfer in self._transfers.items():

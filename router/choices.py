@@ -1,77 +1,84 @@
-"""n choices per request (OpenAI's `n`): the router fans one request out as n requests and merges
-their deltas, each tagged with its choice index.
+"""n choices per request (OpenAI's `n`): one request upstream, one stream of deltas per choice.
 
-Choice i is the request with the id `<request_id>/c<i>` (so an Abort of the request id ends
-every choice, `Router.abort`) and, when the request has a seed, the seed `seed + i` (wrapped to
-64 bits): the choices differ, and the same request gives the same n choices again. The n run
-concurrently, each with its own admission slot, route and relay; the prompt's KV is reused across
-them only where one copy finds another's full blocks in a worker's prefix cache (a copy that
-starts after another's prefill on the same worker); concurrent copies each compute it. Closing
-the merged stream (a client that leaves, an error in one choice) ends all n on every worker.
+The request goes to the workers once with n (router/core.py: one admission slot, one prefill,
+one KV transfer; the decode worker forks the choices over the prompt's blocks). Choice i samples
+with the seed `seed + i` (wrapped to 64 bits) when the request has a seed: the choices differ,
+and the same request gives the same n choices again. Here the request's tagged deltas are split
+into one stream per choice, so that the APIs render, and the metrics count, each choice as
+before; `merged` reads them back as one. Closing the merged stream (a client that leaves, an
+error) ends the request, every choice, on every worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import replace
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, replace
 
-from router.core import CHOICE_SUFFIX, Prepared
+from router.core import Prepared, Router
+from router.merge import merged
 from router.relay import Delta
+from tandem.sampling_params import MAX_N, derived_seed
 
-MAX_N = 128  # choices per request, as OpenAI allows
-_INT64 = 2**64
-
-
-def derived_seed(seed: int | None, index: int) -> int | None:
-    """Choice `index`'s seed: `seed + index` wrapped into int64 (the wire type), or None."""
-    if seed is None or index == 0:
-        return seed
-    return (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2
+__all__ = ["MAX_N", "Choice", "derived_seed", "merged", "request_choices"]
 
 
-def choice_preps(prep: Prepared, n: int) -> list[Prepared]:
-    """The n requests of `prep`'s choices (`prep` itself when n is 1)."""
-    if n == 1:
-        return [prep]
-    return [
-        replace(
-            prep,
-            request_id=f"{prep.request_id}{CHOICE_SUFFIX}{i}",
-            params=replace(prep.params, seed=derived_seed(prep.params.seed, i)),
-        )
-        for i in range(n)
-    ]
+@dataclass(frozen=True)
+class Choice:
+    """Choice `index` of the request `prep` (whose `params.n` counts its choices)."""
+
+    prep: Prepared
+    index: int
+    request: _Request
+
+    def deltas(self, router: Router) -> AsyncGenerator[Delta, None]:
+        return self.request.deltas(router, self.index)
 
 
-async def merged(
-    generate: Callable[[Prepared], AsyncGenerator[Delta, None]], preps: list[Prepared]
-) -> AsyncGenerator[tuple[int, Delta], None]:
-    """(choice index, delta) from every choice as they come; the first error ends them all."""
-    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+def request_choices(prep: Prepared, n: int) -> list[Choice]:
+    """The n choices of `prep`, served as one request."""
+    prep = replace(prep, params=replace(prep.params, n=n))
+    request = _Request(prep)
+    return [Choice(prep, i, request) for i in range(n)]
 
-    async def run(index: int, prep: Prepared) -> None:
+
+class _Request:
+    """Feeds each choice's queue from the request's one stream, which starts with the first
+    reader and ends once every reader has ended (closing the last one cancels it)."""
+
+    def __init__(self, prep: Prepared) -> None:
+        self.prep = prep
+        self.queues: list[asyncio.Queue[Delta | BaseException]] = [
+            asyncio.Queue() for _ in range(prep.params.n)
+        ]
+        self.readers = prep.params.n
+        self.task: asyncio.Task[None] | None = None
+
+    async def deltas(self, router: Router, index: int) -> AsyncGenerator[Delta, None]:
+        if self.task is None:
+            self.task = asyncio.create_task(self._feed(router))
+        task = self.task
         try:
-            async with contextlib.aclosing(generate(prep)) as deltas:
-                async for d in deltas:
-                    await queue.put((index, d))
-            await queue.put((index, None))
-        except Exception as e:  # handed to the consumer, which raises it
-            await queue.put((index, e))
+            while True:
+                item = await self.queues[index].get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            self.readers -= 1
+            if not self.readers:
+                task.cancel()  # a no-op once it has ended; else the workers end the request
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
-    tasks = [asyncio.create_task(run(i, p)) for i, p in enumerate(preps)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item = await queue.get()
-            if item is None:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for t in tasks:
-            t.cancel()  # a no-op for an ended choice; the others end on their workers
-        await asyncio.gather(*tasks, return_exceptions=True)
+    async def _feed(self, router: Router) -> None:
+        try:
+            async with contextlib.aclosing(router.generate_choices(self.prep)) as deltas:
+                async for index, delta in deltas:
+                    self.queues[index].put_nowait(delta)
+        except Exception as e:  # every reader raises it
+            for queue in self.queues:
+                queue.put_nowait(e)

@@ -25,6 +25,12 @@ end          usage and timings; a stop string, an Abort, a client that leaves, o
              deadline cancels both calls, and the workers free the request's blocks. An
              Abort that reaches a router replica not holding the request is forwarded to
              the others (`forward_abort`: the registry's pub/sub)
+
+n > 1 choices (OpenAI's n) travel as one request: one admission slot, one route, one prefill
+and one KV transfer; D forks the choices over the prompt's blocks and tags each chunk with its
+choice's index, and each choice has its own relay. A stop string ends its choice alone (an Abort
+of the choice's id on D); a D that dies mid-stream leaves each open choice to resume on its own,
+as a request of its own (`choice_prep`).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import grpc
 from router.admission import Admission
 from router.errors import ErrorKind, RouterError, invalid
 from router.inflight import Lease, pick
+from router.merge import merged
 from router.policies import PickContext, make_policy
 from router.relay import Delta, Relay
 from router.tools import hermes_messages, parser_for_template
@@ -53,7 +60,7 @@ from tandem.config import RouterConfig
 from tandem.messages import sampling_to_proto
 from tandem.model_config import load_config
 from tandem.registry import RegistrySnapshot, WorkerRecord
-from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.sampling_params import SamplingParams, choice_request_id, validate_prompt_token_ids
 from tandem.tokenizer import load_tokenizer
 from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
@@ -65,8 +72,8 @@ MARK_DOWN_S = 5.0  # a worker that refused a connection is avoided this long
 MAX_MIGRATIONS = 2  # a request resumes on another decode worker at most this often
 MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-CHOICE_SUFFIX = "/c"  # + the index: the id of one of a request's n choices (router/choices.py)
 DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
+CHOICE_ABORT_S = 5.0  # the timeout of the Abort that ends one choice on its decode worker
 
 
 class DecodeLost(Exception):
@@ -111,6 +118,7 @@ class Route:
     call: Any  # D's Decode stream; reopened when D prefills after all
     ticket: Any
     prefill: Lease | None
+    request_id: str  # the request's id on D (another when D prefills after all)
     go_local: asyncio.Event = field(default_factory=asyncio.Event)  # no P could push the KV
     decoding: bool = False  # D has sent a token: it holds the prompt's KV, however it got there
     _prefill_task: asyncio.Task[None] | None = field(default=None, init=False)
@@ -142,10 +150,10 @@ class Route:
             return read.result()
         return next(name for w, name in waits.items() if w in done)
 
-    def reopen(self, call: Any) -> None:
-        """Replace D's call (cancelled, with its pending read) by `call`."""
+    def reopen(self, call: Any, request_id: str) -> None:
+        """Replace D's call (cancelled, with its pending read) by `call`, for `request_id`."""
         self._end_call()
-        self.call = call
+        self.call, self.request_id = call, request_id
 
     def _end_call(self) -> None:
         self.call.cancel()
@@ -196,6 +204,7 @@ class Router:
         self.decode_waiters = 0  # requests waiting for a decode worker now
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: dict[str, asyncio.Event] = {}
+        self._choice_aborts: set[asyncio.Task[None]] = set()  # Aborts of one choice on D
         self._ids = itertools.count()
 
     @property
@@ -341,13 +350,10 @@ class Router:
 
     def abort(self, request_id: str) -> bool:
         """Abort a request this replica holds (all its choices); whether it holds it."""
-        choice = f"{request_id}{CHOICE_SUFFIX}"
-        events = [
-            e for rid, e in self._aborts.items() if rid == request_id or rid.startswith(choice)
-        ]
-        for event in events:
+        event = self._aborts.get(request_id)
+        if event is not None:
             event.set()
-        return bool(events)
+        return event is not None
 
     async def abort_anywhere(self, request_id: str) -> bool:
         """Abort the request on whichever router replica holds it: True when this one does,
@@ -359,7 +365,17 @@ class Router:
         return await asyncio.to_thread(self.forward_abort, request_id) > 1
 
     async def generate(self, prep: Prepared) -> AsyncIterator[Delta]:
-        """Deltas until the request finishes; RouterError if it cannot be served."""
+        """Deltas until the request (of one choice) finishes; RouterError if it cannot be
+        served."""
+        if prep.params.n != 1:
+            raise ValueError("generate serves one choice: use generate_choices")
+        async with contextlib.aclosing(self.generate_choices(prep)) as deltas:
+            async for _, delta in deltas:
+                yield delta
+
+    async def generate_choices(self, prep: Prepared) -> AsyncGenerator[tuple[int, Delta], None]:
+        """(choice index, delta) of each of the request's `params.n` choices until every one
+        finishes; RouterError if the request cannot be served."""
         if prep.request_id in self._aborts:
             raise invalid(f"request_id {prep.request_id!r} is already in flight", "request_id")
         abort = self._aborts[prep.request_id] = asyncio.Event()
@@ -390,54 +406,110 @@ class Router:
             w for w in self.snapshot.workers(model=self.model_name, role=role) if not w.draining
         ]
 
-    async def _dispatch(self, prep: Prepared, abort: asyncio.Event) -> AsyncIterator[Delta]:
-        """Relay the request from its route; if its decode worker dies mid-stream, mark it down
-        and resume the request on another one, through the same relay."""
+    async def _dispatch(
+        self, prep: Prepared, abort: asyncio.Event
+    ) -> AsyncIterator[tuple[int, Delta]]:
+        """Relay the request's choices from one route; if its decode worker dies mid-stream,
+        mark it down and resume each open choice on another one, through its relay."""
         timings: dict[str, Any] = {"queue_s": time.monotonic() - prep.arrival}
-        relay = Relay(self.tokenizer, prep.prompt_token_ids, prep.params, prep.arrival, timings)
+        relays = [
+            Relay(self.tokenizer, prep.prompt_token_ids, prep.params, prep.arrival, timings)
+            for _ in range(prep.params.n)
+        ]
         lost: set[str] = set()  # the decode workers this request has lost
-        route_prep = prep
+        try:
+            async with contextlib.aclosing(self._relay_route(prep, abort, relays, lost)) as deltas:
+                async for item in deltas:
+                    yield item
+            return
+        except DecodeLost as e:
+            self._lose(prep, e, lost)
+        resuming = [i for i, relay in enumerate(relays) if not relay.finished]
+
+        def resume(i: int) -> AsyncGenerator[Delta, None]:
+            return self._resume(choice_prep(prep, i), abort, relays[i], set(lost))
+
+        async with contextlib.aclosing(merged(resume, resuming)) as deltas:
+            async for position, delta in deltas:
+                yield resuming[position], delta
+
+    async def _resume(
+        self, prep: Prepared, abort: asyncio.Event, relay: Relay, lost: set[str]
+    ) -> AsyncGenerator[Delta, None]:
+        """Resume a request of one choice after its decode worker died (and again after the
+        next one dies), through `relay`: the tokens it already sent end its prompt."""
+        relay.timings = dict(relay.timings)  # its own from here: its route is its own
         while True:
+            self.migrations += 1
+            route_prep = _resumed(prep, relay.output_token_ids, len(lost))
             try:
                 async with contextlib.aclosing(
-                    self._relay_route(route_prep, abort, relay, lost)
+                    self._relay_route(route_prep, abort, [relay], lost)
                 ) as deltas:
-                    async for delta in deltas:
+                    async for _, delta in deltas:
                         yield delta
                 return
             except DecodeLost as e:
-                log.warning("request %s: %s", prep.request_id, e)
-                self.snapshot.mark_down(e.worker.worker_id, MARK_DOWN_S)
-                lost.add(e.worker.worker_id)
-                if len(lost) > MAX_MIGRATIONS:
-                    raise RouterError(ErrorKind.UNAVAILABLE, str(e)) from None
-            self.migrations += 1
-            route_prep = _resumed(prep, relay.output_token_ids, len(lost))
+                self._lose(prep, e, lost)
+
+    def _lose(self, prep: Prepared, e: DecodeLost, lost: set[str]) -> None:
+        """Mark the decode worker down and avoid it; UNAVAILABLE after too many losses."""
+        log.warning("request %s: %s", prep.request_id, e)
+        self.snapshot.mark_down(e.worker.worker_id, MARK_DOWN_S)
+        lost.add(e.worker.worker_id)
+        if len(lost) > MAX_MIGRATIONS:
+            raise RouterError(ErrorKind.UNAVAILABLE, str(e)) from None
 
     async def _relay_route(
-        self, prep: Prepared, abort: asyncio.Event, relay: Relay, lost: set[str]
-    ) -> AsyncGenerator[Delta, None]:
+        self, prep: Prepared, abort: asyncio.Event, relays: list[Relay], lost: set[str]
+    ) -> AsyncGenerator[tuple[int, Delta], None]:
         """Pick the workers (none in `lost`) and open Decode, prefill in the background, relay
-        D's tokens; the route ends with the request however it ends. DecodeLost: D died."""
+        D's tokens of each choice through its relay; the route ends with the request however
+        it ends. DecodeLost: D died."""
         wreq = _worker_request(prep)
         with await self._open_route(prep, wreq, lost) as route:
-            timings = relay.timings
+            timings = relays[0].timings  # the route's relays share it
             timings["decode_worker"] = route.decode.worker.worker_id
             timings["prefill_worker"] = route.prefill.worker.worker_id if route.prefill else ""
             if route.prefill is not None:
                 route.start_prefill(
                     self._prefill(wreq, route.ticket, route.prefill, prep, timings, route.go_local)
                 )
+            running = set(range(len(relays)))
             try:
-                while True:
-                    delta = await self._next_delta(route, wreq, prep, abort, relay)
-                    yield delta
-                    if delta.finish_reason is not None:
+                while running:
+                    chunk = await self._next_chunk(route, wreq, prep, abort, timings)
+                    if chunk is None:  # aborted
+                        for i in sorted(running):
+                            yield i, relays[i].final([], "abort")
                         return
+                    if chunk.index not in running:
+                        continue  # the end of a choice a stop string ended here
+                    delta = relays[chunk.index].delta(chunk)
+                    yield chunk.index, delta
+                    if delta.finish_reason is not None:
+                        running.discard(chunk.index)
+                        if running and not chunk.finish_reason:  # D has not ended it
+                            self._abort_choice(route, chunk.index)
             except grpc.aio.AioRpcError as e:
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     raise DecodeLost(route.decode.worker, e.details() or "UNAVAILABLE") from None
                 raise self._worker_error(e, route.decode.worker) from None
+
+    def _abort_choice(self, route: Route, index: int) -> None:
+        """End one choice on D (its others go on), in the background."""
+        stub = wpb_grpc.DecodeWorkerStub(self._channel(route.decode.worker.endpoint))
+        request = wpb.WorkerAbortRequest(request_id=choice_request_id(route.request_id, index))
+
+        async def abort() -> None:
+            try:
+                await stub.Abort(request, timeout=CHOICE_ABORT_S)
+            except grpc.aio.AioRpcError as e:  # the choice ends with the request anyway
+                log.warning("abort of %s failed: %s", request.request_id, e)
+
+        task = asyncio.create_task(abort())
+        self._choice_aborts.add(task)
+        task.add_done_callback(self._choice_aborts.discard)
 
     # -- pick ---------------------------------------------------------------------------------
 
@@ -456,7 +528,7 @@ class Router:
             if prefill is not None:
                 prefill.release()
             raise
-        return Route(decode, call, ticket, prefill)
+        return Route(decode, call, ticket, prefill, wreq.request_id)
 
     async def _decode_workers(self, lost: set[str]) -> list[WorkerRecord]:
         """The decode workers the request may use (none in `lost`). With none, wait for one
@@ -589,30 +661,30 @@ class Router:
 
     # -- relay --------------------------------------------------------------------------------
 
-    async def _next_delta(
+    async def _next_chunk(
         self,
         route: Route,
         wreq: wpb.WorkerRequest,
         prep: Prepared,
         abort: asyncio.Event,
-        relay: Relay,
-    ) -> Delta:
-        """The client's next message, from D's next chunk; the final one on an abort."""
+        timings: dict[str, Any],
+    ) -> wpb.TokenChunk | None:
+        """D's next chunk; None on an abort."""
         while True:
             msg = await route.next_message(abort)
             if msg == "abort":
-                return relay.final([], "abort")
+                return None
             if msg != "local":
                 break
             if route.decoding:  # D fell back to its own prefill first (`on_transfer_failure`)
                 route.go_local = asyncio.Event()
                 continue
-            await self._prefill_on_decode(route, wreq, prep, relay.timings)
+            await self._prefill_on_decode(route, wreq, prep, timings)
         if msg is grpc.aio.EOF:
             raise DecodeLost(route.decode.worker, "the stream ended without a final chunk")
         assert isinstance(msg, wpb.DecodeResponse)
         route.decoding = True
-        return relay.delta(msg.tokens)
+        return msg.tokens
 
     async def _prefill_on_decode(
         self, route: Route, wreq: wpb.WorkerRequest, prep: Prepared, timings: dict[str, Any]
@@ -628,7 +700,7 @@ class Router:
         local = wpb.WorkerRequest()
         local.CopyFrom(wreq)
         local.request_id = f"{wreq.request_id}{LOCAL_PREFILL_SUFFIX}"
-        route.reopen(self._decode_call(route.decode.worker, local, True, prep))
+        route.reopen(self._decode_call(route.decode.worker, local, True, prep), local.request_id)
         await self._read_ticket(route.call, route.decode.worker)
         route.go_local = asyncio.Event()
 
@@ -664,10 +736,20 @@ def _worker_request(prep: Prepared) -> wpb.WorkerRequest:
         sampling=sampling_to_proto(prep.params),
         priority=prep.priority,
         output_offset=prep.params.output_offset,
+        n=prep.params.n,
     )
     if prep.speculative is not None:
         wreq.speculative = prep.speculative
     return wreq
+
+
+def choice_prep(prep: Prepared, index: int) -> Prepared:
+    """Choice `index` of `prep` as a request of its own (its id and seed: `choice(index)`)."""
+    return replace(
+        prep,
+        request_id=choice_request_id(prep.request_id, index),
+        params=prep.params.choice(index),
+    )
 
 
 def _resumed(prep: Prepared, sent: list[int], migration: int) -> Prepared:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from router.auth import BearerInterceptor, Credentials
-from router.choices import MAX_N, choice_preps, merged
+from router.choices import MAX_N, merged, request_choices
 from router.core import Router
 from router.errors import RouterError, invalid
 from router.readiness import ReadinessHealth
@@ -91,8 +91,8 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 speculative=request.speculative if request.HasField("speculative") else None,
                 **_prepare_args(request),
             )
-            preps = choice_preps(prep, max(request.n, 1))
-            observed = merged(lambda p: self.metrics.observe(self.router.generate(p)), preps)
+            choices = request_choices(prep, max(request.n, 1))
+            observed = merged(lambda c: self.metrics.observe(c.deltas(self.router)), choices)
             async with contextlib.aclosing(observed) as deltas:
                 async for index, delta in deltas:
                     yield delta_to_proto(prep.request_id, delta, index)

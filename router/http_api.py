@@ -27,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.auth import BearerMiddleware, Credentials
-from router.choices import MAX_N, choice_preps, merged
+from router.choices import MAX_N, Choice, merged, request_choices
 from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
@@ -570,8 +570,12 @@ async def _respond(
 ) -> Response:
     """Run each prompt's n choices (`choices.py`; choice i*n + j is prompt i's j-th) and
     answer, whole or as a stream."""
-    preps = [choice for prep in render.preps for choice in choice_preps(prep, body.n)]
-    deltas = merged(generate or (lambda p: metrics.observe(router.generate(p))), preps)
+    choices = [choice for prep in render.preps for choice in request_choices(prep, body.n)]
+
+    def choice_deltas(c: Choice) -> AsyncGenerator[Delta, None]:
+        return generate(c.prep) if generate is not None else metrics.observe(c.deltas(router))
+
+    deltas = merged(choice_deltas, choices)
     if not body.stream:
         try:
             await _run_while_connected(deltas, render, request)

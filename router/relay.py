@@ -32,7 +32,9 @@ class Delta:
 
 
 class Relay:
-    """One request's relay. `timings` is shared: the dispatch and the prefill write to it too."""
+    """One request's relay (one choice's, when it has n). `timings` is shared: the dispatch and
+    the prefill write to it too (and the other choices' relays of one route); each final
+    message carries a copy with the relay's own figures."""
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class Relay:
         self.timings = timings
         self.output_token_ids: list[int] = []  # all sent so far: a migrated request resumes after
         self.first_token_time: float | None = None
+        self.finished = False  # the final message is out
 
     def delta(self, chunk: wpb.TokenChunk) -> Delta:
         """The client's message for one chunk: the final one if the chunk or a stop string
@@ -70,9 +73,8 @@ class Relay:
         logprobs = [logprobs_from_proto(lp) for lp in chunk.logprobs]
         if reason is None:
             return Delta(tokens, text, logprobs)
-        self.timings["draft_tokens"] = chunk.draft_tokens
-        self.timings["accepted_tokens"] = chunk.accepted_tokens
-        return self.final(tokens, reason, text, logprobs, stop_reason)
+        spec = {"draft_tokens": chunk.draft_tokens, "accepted_tokens": chunk.accepted_tokens}
+        return self.final(tokens, reason, text, logprobs, stop_reason, spec)
 
     def _finish(self, reason: str | None, tokens: list[int]) -> tuple[str | None, int | str | None]:
         """Why the request ends here (None: it goes on), and the stop string or stop token."""
@@ -89,16 +91,21 @@ class Relay:
         text: str = "",
         logprobs: list[TokenLogprobs] | None = None,
         stop_reason: int | str | None = None,
+        spec: dict[str, int] | None = None,
     ) -> Delta:
-        """The last message: usage, and the timings completed with TTFT, end to end and TPOT."""
+        """The last message: usage, and the timings completed with TTFT, end to end, TPOT and
+        the speculative decoding totals (`spec`)."""
         now = time.monotonic()
         ttft = (self.first_token_time or now) - self.arrival
         completion = len(self.output_token_ids)
-        self.timings.update(
-            ttft_s=ttft,
-            e2e_s=now - self.arrival,
-            tpot_s=(now - self.arrival - ttft) / (completion - 1) if completion > 1 else 0.0,
-        )
+        self.finished = True
+        timings = {
+            **self.timings,
+            **(spec or {}),
+            "ttft_s": ttft,
+            "e2e_s": now - self.arrival,
+            "tpot_s": (now - self.arrival - ttft) / (completion - 1) if completion > 1 else 0.0,
+        }
         return Delta(
             tokens,
             text,
@@ -107,5 +114,5 @@ class Relay:
             self.prompt_tokens,
             completion,
             stop_reason,
-            self.timings,
+            timings,
         )

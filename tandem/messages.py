@@ -64,8 +64,13 @@ def structured_to_proto(so: StructuredOutput) -> api_pb2.StructuredOutput:
 
 
 def worker_sampling(request: worker_pb2.WorkerRequest) -> SamplingParams:
-    """A worker request's sampling parameters, with the output offset of a resumed request."""
-    return replace(sampling_from_proto(request.sampling), output_offset=request.output_offset)
+    """A worker request's sampling parameters, with the output offset of a resumed request and
+    its number of choices."""
+    return replace(
+        sampling_from_proto(request.sampling),
+        output_offset=request.output_offset,
+        n=max(request.n, 1),
+    )
 
 
 def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:

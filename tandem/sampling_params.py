@@ -16,6 +16,9 @@ from tandem.structured import StructuredOutput
 GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+MAX_N = 128  # choices per request, as OpenAI allows
+CHOICE_SUFFIX = "/c"  # + the index: the request id of a request's choice i > 0
+_INT64 = 2**64
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,13 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     # OpenAI's logit_bias: (token id, bias) pairs added to the logits before the penalties.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Choices (OpenAI's n): sequences sampled from one prompt, computed once; choice i is
+    # sampled as if alone with `choice(i)`'s parameters (its seed is seed + i).
+    n: int = 1
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice `index` as a request of its own (n = 1, seed + index)."""
+        return replace(self, n=1, seed=derived_seed(self.seed, index))
 
     def resolved_for(self, prompt_len: int, max_model_len: int) -> SamplingParams:
         """These parameters with a number for max_tokens: None becomes the room the context
@@ -74,6 +84,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError naming the first field outside its allowed range."""
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -124,6 +136,18 @@ class SamplingParams:
                 raise ValueError("min_tokens must be 0 with a structured output")
             if self.ignore_eos:
                 raise ValueError("ignore_eos cannot be combined with a structured output")
+
+
+def derived_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: `seed + index` wrapped into int64 (the wire type), or None."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The request id of choice `index` of `request_id`: its own for choice 0."""
+    return f"{request_id}{CHOICE_SUFFIX}{index}" if index else request_id
 
 
 def validate_prompt_token_ids(

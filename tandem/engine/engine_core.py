@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,11 @@ from tandem.engine.scheduler import Role, Scheduler, SchedulerOutput
 from tandem.engine.spec.decoder import StepKind, make_spec_decoder
 from tandem.engine.tp.ranks import RankLauncher
 from tandem.outputs import TokenLogprobs
-from tandem.sampling_params import SamplingParams, validate_prompt_token_ids
+from tandem.sampling_params import (
+    SamplingParams,
+    choice_request_id,
+    validate_prompt_token_ids,
+)
 from tandem.tokenizer import tokenizer_dir
 
 
@@ -91,7 +95,9 @@ class EngineCore:
     ) -> Request:
         """Validate and queue a request; raises ValueError before any KV is allocated.
 
-        `speculative=False` opts this request out of the engine's speculative decoding."""
+        `speculative=False` opts this request out of the engine's speculative decoding. With
+        `params.n` > 1 the request is choice 0 and its `forks` are choices 1 .. n-1 (their ids
+        from `choice_request_id`): one prompt computation, n outputs."""
         # No max_tokens: the rest of the context, as far as the KV cache can hold one sequence
         params = params.resolved_for(len(prompt_token_ids), self.max_sequence_len)
         params.validate(self.vocab_size)
@@ -116,13 +122,42 @@ class EngineCore:
                 f"prompt + max_tokens need {max_blocks} KV blocks; the cache has "
                 f"{self.kv_cache.num_blocks} (raise cache memory or lower max_tokens)"
             )
+        if params.n > scheduler.max_num_seqs:
+            raise ValueError(
+                f"n must be at most max_num_seqs={scheduler.max_num_seqs}, got {params.n}"
+            )
+        choices = [
+            self._request(
+                choice_request_id(request_id, i),
+                prompt_token_ids,
+                params if i == 0 else params.choice(i),
+                priority,
+                speculative,
+                i,
+            )
+            for i in range(params.n)
+        ]
+        req = choices[0]
+        req.forks = choices[1:]
+        self.scheduler.add(req)
+        return req
+
+    def _request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        speculative: bool,
+        index: int,
+    ) -> Request:
         generator = request_generator(params.seed, model_device(self.config.model))
         grammar = None
         if params.structured_output is not None:
             # A resumed request's output so far ends its prompt: the matcher starts after it.
             output = prompt_token_ids[len(prompt_token_ids) - params.output_offset :]
             grammar = self.grammars.matcher(params.structured_output, output)
-        req = Request(
+        return Request(
             request_id,
             list(prompt_token_ids),
             params,
@@ -130,9 +165,8 @@ class EngineCore:
             generator=generator,
             speculative=speculative,
             grammar=grammar,
+            index=index,
         )
-        self.scheduler.add(req)
-        return req
 
     def abort(
         self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
@@ -142,14 +176,21 @@ class EngineCore:
             self.spec_decoder.release(request_id)
 
     def remote_kv_arrived(
-        self, request_id: str, first_token: int, handover: dict[str, Tensor]
+        self,
+        request_id: str,
+        first_token: int,
+        handover: dict[str, Tensor],
+        fork_tokens: Sequence[int] = (),
     ) -> Request:
-        """A parked request's prompt KV landed, with the first token and the proposer state the
-        prefill side handed over (`RequestDelta.handover`): the request joins the running
-        batch, with drafts for its first decode step as a colocated engine would make them."""
-        req = self.scheduler.remote_kv_arrived(request_id, first_token)
-        if self.spec_decoder is not None and not req.status.finished:
-            self.spec_decoder.adopt(req, handover)
+        """A parked request's prompt KV landed, with the first token (its forks' in
+        `fork_tokens`) and the proposer state the prefill side handed over
+        (`RequestDelta.handover`): the request and its forks join the running batch, with drafts
+        for their first decode step as a colocated engine would make them."""
+        req = self.scheduler.remote_kv_arrived(request_id, first_token, fork_tokens)
+        if self.spec_decoder is not None:
+            for r in (req, *req.forks):  # the forks share the prompt, and so its state
+                if r.status == RequestStatus.RUNNING:
+                    self.spec_decoder.adopt(r, handover)
         return req
 
     def close(self) -> None:

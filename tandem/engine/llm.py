@@ -1,7 +1,9 @@
 """Offline API, shaped like vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`.
 
 Wraps an `EngineCore` with the tokenizer: prompts in (text, token ids or chat conversations),
-detokenized outputs with stop strings and per-request metrics out, all at once or streamed.
+detokenized outputs with stop strings and per-request metrics out, all at once or streamed. A
+prompt with `SamplingParams(n=k)` gives k outputs (`index` 0 .. k-1, in order), computed from one
+prefill of the prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class RequestMetrics:
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
+    index: int = 0  # which of the prompt's n choices
     text: str = ""  # all text so far (streaming: see `delta`)
     delta: str = ""  # text added since the previous streamed output
     token_ids: list[int] = field(default_factory=list)
@@ -92,7 +95,8 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order (a prompt's n choices in
+        index order)."""
         batch = (
             [cast(Prompt, prompts)] if _is_single(prompts) else list(cast(list[Prompt], prompts))
         )
@@ -109,18 +113,19 @@ class LLM:
     def stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield a snapshot after every step that added text or finished the request. Closing the
-        iterator early aborts the request, so it does not keep running inside the engine."""
+        """Yield a snapshot of an output (of a choice, by `index`, when n > 1) after every step
+        that added text to it or finished it. Closing the iterator early aborts the request, so
+        it does not keep running inside the engine."""
         states = self._add([self.encode(prompt)], params)
-        (state,) = states.values()
         try:
-            while not state.output.finished:
-                self._step(states)
-                if state.output.delta or state.output.finished:
-                    yield state.output.snapshot()
+            while not all(s.output.finished for s in states.values()):
+                for state in self._step(states):
+                    if state.output.delta or state.output.finished:
+                        yield state.output.snapshot()
         finally:
-            if not state.output.finished:
-                self.engine.abort(state.request.request_id)
+            for state in states.values():
+                if not state.output.finished:
+                    self.engine.abort(state.request.request_id)
 
     def _run(
         self,
@@ -144,27 +149,32 @@ class LLM:
         states: dict[str, _State] = {}
         try:
             for ids, p in zip(token_ids, params, strict=True):
-                rid = str(next(self._ids))
-                req = self.engine.add_request(rid, ids, p)
-                detok = IncrementalDetokenizer(
-                    self.tokenizer,
-                    ids,
-                    p.stop_strings,
-                    p.skip_special_tokens,
-                    p.include_stop_str_in_output,
-                )
-                states[rid] = _State(req, detok, RequestOutput(rid, ids))
+                req = self.engine.add_request(str(next(self._ids)), ids, p)
+                for choice in (req, *req.forks):
+                    detok = IncrementalDetokenizer(
+                        self.tokenizer,
+                        ids,
+                        p.stop_strings,
+                        p.skip_special_tokens,
+                        p.include_stop_str_in_output,
+                    )
+                    rid = choice.request_id
+                    states[rid] = _State(choice, detok, RequestOutput(rid, ids, choice.index))
         except ValueError:
             for rid in states:  # a bad prompt in the batch: nothing of the batch stays queued
                 self.engine.abort(rid)
             raise
         return states
 
-    def _step(self, states: dict[str, _State]) -> None:
+    def _step(self, states: dict[str, _State]) -> list[_State]:
+        """One engine step; the states it advanced."""
+        advanced = []
         for delta in self.engine.step():
             state = states.get(delta.request.request_id)
             if state is not None:
                 state.advance(delta, self.engine)
+                advanced.append(state)
+        return advanced
 
 
 def _is_single(prompts: Any) -> bool:

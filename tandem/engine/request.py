@@ -4,6 +4,11 @@ Lifecycle: WAITING -> RUNNING -> FINISHED_*; RUNNING -> PREEMPTED -> RUNNING whe
 taken back (it recomputes). A role may park a request in WAITING_FOR_REMOTE_KV (its blocks are
 reserved, another worker computes them) or hand it over after its first token (FINISHED_PREFILLED,
 blocks held until released).
+
+A request with n > 1 choices is choice 0; its `forks` are the others. They wait with it, hold
+no blocks, and are sampled from its logits row when it samples its first token (each with its own
+seed); then they are forked onto its prompt's blocks (shared full blocks, a copy of the partial
+last one) and run as requests of their own.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class Request:
     spec_draft_probs: torch.Tensor | None = None  # [len(spec_token_ids), vocab] q; None: one-hot
     spec_acceptance: Acceptance = field(default_factory=Acceptance)  # of its drafts, per token
     grammar: GrammarMatcher | None = None  # a structured output's matcher, at the output's end
+    index: int = 0  # which of its prompt's n choices this is
+    forks: list[Request] = field(default_factory=list)  # choices 1 .. n-1, when this is choice 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -79,6 +86,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def forking(self) -> bool:
+        """Whether its other choices are still to be sampled with its first token."""
+        return bool(self.forks) and not self.output_token_ids
 
     def append_output(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

@@ -6,7 +6,7 @@ Owns the model, the KV cache tensors and the attention backend. Requests with sh
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -131,6 +131,7 @@ class ModelRunner:
         after_layer: Callable[[int], None] | None = None,
     ) -> StepResult:
         inp = self.prepare(out, block_tables)
+        self.copy_blocks(out.block_copies)
         hidden = None
         if self.graphs is not None and after_layer is None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.seqs, self.kv_caches)
@@ -146,21 +147,32 @@ class ModelRunner:
         verify: list[tuple[ScheduledRequest, int]] = []  # with the index of its first row
         row = 0
         for s in inp.sampled:
-            r = s.request
-            if r.generator is not None and r.params.seed is not None:
-                position = r.params.output_offset + len(r.output_token_ids)
-                r.generator.manual_seed(seed_for_position(r.params.seed, position))
+            # A first token: the request's forks (other choices) sample from its row too.
+            choices = [s.request, *s.request.forks] if s.request.forking else [s.request]
+            for r in choices:
+                if r.generator is not None and r.params.seed is not None:
+                    position = r.params.output_offset + len(r.output_token_ids)
+                    r.generator.manual_seed(seed_for_position(r.params.seed, position))
             if s.draft_token_ids:
                 verify.append((s, row))
             else:
-                plain_rows.append(row)
-                plain.append(r)
+                plain_rows += [row] * len(choices)
+                plain += choices
             row += len(s.draft_token_ids) + 1
         if plain:
-            self._sample(logits[plain_rows] if verify else logits, plain, result)
+            whole = plain_rows == list(range(len(logits)))
+            self._sample(logits if whole else logits[plain_rows], plain, result)
         if verify:
             self._verify(logits, verify, result)
         return result
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy each (src, dst) block's KV, every layer (a fork's partial last block)."""
+        if not copies:
+            return
+        src, dst = to_device(([s for s, _ in copies], [d for _, d in copies]), self.device)
+        for cache in self.kv_caches:  # [2, num_blocks, block_size, heads, slot_dim]
+            cache[:, dst] = cache[:, src]
 
     def _batch(
         self,

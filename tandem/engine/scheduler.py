@@ -12,17 +12,24 @@ the sampled tokens and finishes requests.
 
 Roles (colocated, prefill, decode) are a `Role` hooks object consulted at admission and at the
 first token, so one scheduler serves all three.
+
+n > 1 choices: a request computes its prompt once and samples its first token together with those
+of its forks (request.py), which then fork onto its blocks: its full blocks shared (ref counts),
+a fresh block for the partial last one, whose KV the runner copies before the next step's
+forward (`SchedulerOutput.block_copies`). Each choice then runs, is preempted and finishes as a
+request of its own; a fork that finds no free block for its copy is preempted at once and
+recomputes. A prefill role hands the choices' first tokens over with the request instead.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from tandem.config import SchedulerConfig
-from tandem.engine.kv_cache import KVCacheManager
+from tandem.engine.kv_cache import KVCacheManager, OutOfBlocksError
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.spec.acceptance import SpecStats
 
@@ -66,6 +73,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[str]
+    # (src, dst): copy block src's KV into dst before the forward (a fork's partial last block)
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -92,10 +101,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.spec_stats = SpecStats()
         self.num_preemptions = 0  # since start, over all requests
+        self._block_copies: dict[str, tuple[int, int]] = {}  # by fork, until a step runs them
 
     def add(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        for r in (request, *request.forks):
+            if r.request_id in self.requests:
+                raise ValueError(f"request_id {r.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -136,13 +147,19 @@ class Scheduler:
 
         if not preempted:
             self._admit_waiting(scheduled, budget, now)
-        return SchedulerOutput(scheduled, preempted)
+        copies: tuple[tuple[int, int], ...] = ()
+        if scheduled:  # with nothing to run, no forward writes a block: they wait
+            copies = tuple(self._block_copies.values())
+            self._block_copies.clear()
+        return SchedulerOutput(scheduled, preempted, copies)
 
     def _admit_waiting(self, scheduled: list[ScheduledRequest], budget: int, now: float) -> None:
         if self.config.policy == "priority":
             self.waiting = deque(sorted(self.waiting, key=lambda r: (r.priority, r.arrival_time)))
-        while self.waiting and budget > 0 and self._num_seated() < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self._num_seated() + _seats(req) > self.config.max_num_seqs:
+                break
             # A preempted request recomputes here: the KV its role had sent from elsewhere is gone.
             if req.status == RequestStatus.WAITING and not self.role.computes_prompt(req):
                 # Reserve the prompt's blocks without hashing them: their KV is not there yet.
@@ -176,8 +193,10 @@ class Scheduler:
 
     def _num_seated(self) -> int:
         """Running requests, and parked ones that join the running batch when their KV lands."""
-        return len(self.running) + sum(
-            1 for r in self.parked.values() if r.status == RequestStatus.WAITING_FOR_REMOTE_KV
+        return sum(_seats(r) for r in self.running) + sum(
+            _seats(r)
+            for r in self.parked.values()
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KV
         )
 
     def _pick_victim(self, candidates: list[Request]) -> Request:
@@ -192,6 +211,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv_cache.free(req.request_id)
+        self._block_copies.pop(req.request_id, None)  # its copy's block may be reused
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
@@ -220,6 +240,8 @@ class Scheduler:
             req.num_computed_tokens += s.num_new_tokens - rejected
             if tokens is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
+            if req.forking:  # before its own token: that may finish it and free its blocks
+                changed += self._fork(req, [sampled[f.request_id][0] for f in req.forks], now)
             if s.draft_token_ids:
                 num_accepted = len(s.draft_token_ids) - rejected
                 req.metrics.num_drafts += 1
@@ -273,18 +295,57 @@ class Scheduler:
         self.parked.pop(request_id, None)
         req.status = status
         self.kv_cache.free(request_id)
+        self._block_copies.pop(request_id, None)  # its copy's block may be reused
         return req
 
-    def remote_kv_arrived(self, request_id: str, first_token: int) -> Request:
-        """A parked request's prompt KV is in its blocks: it joins the running batch."""
-        req = self.parked.pop(request_id)
+    def remote_kv_arrived(
+        self, request_id: str, first_token: int, fork_tokens: Sequence[int] = ()
+    ) -> Request:
+        """A parked request's prompt KV is in its blocks: it joins the running batch with its
+        first token, and its forks with theirs (`fork_tokens`, one each, in order)."""
+        req = self.parked[request_id]
+        if len(fork_tokens) != len(req.forks):
+            raise ValueError(
+                f"request {request_id!r} has {len(req.forks)} forks, got {len(fork_tokens)} tokens"
+            )
+        del self.parked[request_id]
         req.num_computed_tokens = req.num_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        req.append_output(first_token, time.monotonic())
+        now = time.monotonic()
+        self._fork(req, fork_tokens, now)
+        req.append_output(first_token, now)
         if (status := self._check_stop(req)) is not None:
             self.finish(request_id, status)
         return req
+
+    def _fork(
+        self, parent: Request, first_tokens: Sequence[int], now: float
+    ) -> list[tuple[Request, list[int]]]:
+        """The parent's forks, each with its first token (it just computed its prompt): forked
+        onto its blocks and running, or, in a prefill role, handed over with it."""
+        changed: list[tuple[Request, list[int]]] = []
+        for fork, token in zip(parent.forks, first_tokens, strict=True):
+            fork.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            fork.append_output(token, now)
+            changed.append((fork, [token]))
+            if self.role.hands_over_after_first_token(parent):
+                fork.status = RequestStatus.FINISHED_PREFILLED
+                continue
+            self.requests[fork.request_id] = fork
+            try:
+                copy = self.kv_cache.fork(parent.request_id, fork.request_id)
+            except OutOfBlocksError:
+                self._preempt(fork)  # it recomputes its prompt once blocks free up
+            else:
+                if copy is not None:
+                    self._block_copies[fork.request_id] = copy
+                fork.num_computed_tokens = parent.num_computed_tokens
+                fork.status = RequestStatus.RUNNING
+                self.running.append(fork)
+            if (status := self._check_stop(fork)) is not None:
+                self.finish(fork.request_id, status)
+        return changed
 
     def compute_prompt_locally(self, request_id: str) -> Request:
         """A parked request's KV will not arrive (failed transfer): compute its prompt here, in
@@ -298,3 +359,8 @@ class Scheduler:
     def release(self, request_id: str) -> None:
         """Free the blocks of a request handed over after its first token."""
         self.finish(request_id, RequestStatus.FINISHED_PREFILLED)
+
+
+def _seats(req: Request) -> int:
+    """Running seats the request takes: its forks' too while they are still to come."""
+    return 1 + len(req.forks) if req.forking else 1

@@ -268,6 +268,8 @@ class SimRunner:
                     sim_token(seed, pos + len(s.draft_token_ids), self.vocab_size, self.avoid)
                 )
             result.tokens[r.request_id] = tokens
+            if r.forking:  # its other choices: the modelled first token too
+                result.tokens.update((f.request_id, tokens[:1]) for f in r.forks)
         return result
 
 

@@ -130,14 +130,16 @@ class NamedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Trailer(_message.Message):
-    __slots__ = ("first_token", "extras", "first_token_unix")
+    __slots__ = ("first_token", "extras", "first_token_unix", "fork_first_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    FORK_FIRST_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     extras: _containers.RepeatedCompositeFieldContainer[NamedTensor]
     first_token_unix: float
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., extras: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., first_token_unix: _Optional[float] = ...) -> None: ...
+    fork_first_tokens: _containers.RepeatedCompositeFieldContainer[FirstToken]
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., extras: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ..., first_token_unix: _Optional[float] = ..., fork_first_tokens: _Optional[_Iterable[_Union[FirstToken, _Mapping]]] = ...) -> None: ...
 
 class KeepAlive(_message.Message):
     __slots__ = ()

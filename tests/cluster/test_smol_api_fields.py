@@ -27,6 +27,7 @@ from cluster_helpers import (
     grpc_error,
     grpc_generate,
     http_post,
+    scrape,
     sse_events,
     wait_router_idle,
     wait_workers_idle,
@@ -382,6 +383,23 @@ def test_n_choices_are_indexed_seeded_and_count_the_prompt_once(
     assert three.usage is not None and one.usage is not None
     assert three.usage.prompt_tokens == one.usage.prompt_tokens
     assert three.usage.completion_tokens == 3 * 6
+    wait_workers_idle(workers(smol), 10.0)
+
+
+def test_n_choices_are_prefilled_and_sent_once(smol: LocalCluster, url: str) -> None:
+    """A prompt for the prefill worker (> 32 tokens) with n = 3: one prefill and one KV transfer
+    serve the three choices; no block is left on any worker."""
+    (prefill,) = workers(smol, "prefill")
+    wait_workers_idle(workers(smol), 5.0)
+    before = scrape(prefill.metrics_url)
+    prompt = "Tell me about the sea, the ships on it and the lighthouses along its coasts. " * 3
+    body = {"model": SMOL, "prompt": prompt, "n": 3, "max_tokens": 4, "seed": 3}
+    r = http_post(f"{url}/v1/completions", {**body, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert sorted(c["index"] for c in r.json()["choices"]) == [0, 1, 2]
+    assert r.json()["usage"]["completion_tokens"] == 3 * 4
+    after = scrape(prefill.metrics_url)
+    assert after["tandem_kv_transfers"] - before["tandem_kv_transfers"] == 1
     wait_workers_idle(workers(smol), 10.0)
 
 

@@ -82,8 +82,9 @@ def engines(
 def scripted(
     engine: EngineCore, preempt: bool = True
 ) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """The logits of every step and the tokens of a fixed script of greedy requests; `preempt`
-    ends it with a batch that outgrows the cache, decoding 16 tokens each."""
+    """The logits of every step and the tokens of a fixed script of greedy requests (the first
+    with n = 2 choices: the fork's copy of the partial prompt block runs on every rank);
+    `preempt` ends it with a batch that outgrows the cache, decoding 16 tokens each."""
     rows: list[torch.Tensor] = []
     compute_logits = engine.model.compute_logits
 
@@ -99,13 +100,13 @@ def scripted(
     # three requests that grow to 5 blocks each on 12 blocks: one is preempted and recomputes
     growing = [torch.randint(0, 250, (4,), generator=g).tolist() for _ in range(3)]
     outputs = []
-    phases = [([prompt], 3), (later, 5), (growing, 16)]
-    for batch, max_tokens in phases if preempt else phases[:2]:
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    phases = [([prompt], 3, 2), (later, 5, 1), (growing, 16, 1)]
+    for batch, max_tokens, n in phases if preempt else phases[:2]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
         reqs = [engine.add_request(f"{len(outputs)}-{i}", p, params) for i, p in enumerate(batch)]
         while engine.has_unfinished():
             engine.step()
-        outputs += [r.output_token_ids for r in reqs]
+        outputs += [c.output_token_ids for r in reqs for c in (r, *r.forks)]
     return rows, outputs
 
 

@@ -264,6 +264,7 @@ class _RecordingDecodeWorker(DecodeWorker):
         super().__init__(*args, **kwargs)
         self.received: dict[str, list[torch.Tensor]] = {}
         self.extras: dict[str, dict[str, tuple[int, ...]]] = {}  # request -> name -> shape
+        self.used_on_arrival: dict[str, int] = {}  # request -> blocks in use once it arrived
 
     def _arrived(self, a: Arrival) -> None:
         self.extras[a.request_key] = {name: tuple(t.shape) for name, t in a.extras.items()}
@@ -273,6 +274,8 @@ class _RecordingDecodeWorker(DecodeWorker):
             caches = self.engine.runner.kv_caches
             self.received[a.request_key] = gather_kv(caches, table, req.num_prompt_tokens)
         super()._arrived(a)
+        kv_cache = self.engine.kv_cache
+        self.used_on_arrival[a.request_key] = kv_cache.num_blocks - kv_cache.num_free_blocks
 
 
 @dataclasses.dataclass
@@ -370,10 +373,18 @@ class _Host:
         self.gate.wait(PAUSE_LIMIT_S)
 
     def submit(
-        self, name: str, rid: str, prompt: list[int], max_tokens: int, ticket: bytes
+        self,
+        name: str,
+        rid: str,
+        prompt: list[int],
+        max_tokens: int,
+        ticket: bytes,
+        params: SamplingParams | None = None,
     ) -> None:
+        """`params`: greedy(max_tokens) unless given."""
         worker = self._get(name, PrefillWorker)
-        self.results[rid] = worker.submit(rid, prompt, greedy(max_tokens), ticket_of(ticket))
+        params = params or greedy(max_tokens)
+        self.results[rid] = worker.submit(rid, prompt, params, ticket_of(ticket))
 
     def prefill_result(self, rid: str, within: float = 10.0) -> dict[str, Any]:
         """The PrefillResult's fields once the transfer is final; raises its TransferError."""
@@ -408,10 +419,17 @@ class _Host:
         worker.start()
 
     def reserve(
-        self, name: str, rid: str, prompt: list[int], max_tokens: int, within: float = 10.0
+        self,
+        name: str,
+        rid: str,
+        prompt: list[int],
+        max_tokens: int,
+        within: float = 10.0,
+        params: SamplingParams | None = None,
     ) -> bytes:
+        """`params`: greedy(max_tokens) unless given."""
         ticket_future, stream = self._get(name, DecodeWorker).reserve(
-            rid, prompt, greedy(max_tokens)
+            rid, prompt, params or greedy(max_tokens)
         )
         self.tokens_of[rid] = stream
         ticket = ticket_future.result(within)
@@ -428,8 +446,35 @@ class _Host:
 
         return _in_thread(read, within)
 
+    def choices(self, rid: str, within: float = 10.0) -> list[tuple[list[int], str | None]]:
+        """Per choice of the request (n > 1), in index order: its tokens and finish reason."""
+        stream = self.tokens_of.pop(rid)
+
+        def read() -> list[tuple[list[int], str | None]]:
+            out: list[tuple[list[int], str | None]] = [([], None) for _ in stream.choice_ids]
+            for c in stream:
+                tokens, _ = out[c.index]
+                out[c.index] = (tokens + c.token_ids, c.finish_reason)
+            return out
+
+        return _in_thread(read, within)
+
+    def colocated_choices(
+        self, model: str, prompt: list[int], params: SamplingParams
+    ) -> list[list[int]]:
+        """What each of the n choices generates as a request of its own (seed + i)."""
+        engine = EngineCore(engine_config(model, num_blocks=256))
+        reqs = [engine.add_request(f"r{i}", prompt, params.choice(i)) for i in range(params.n)]
+        while engine.has_unfinished():
+            engine.step()
+        return [r.output_token_ids for r in reqs]
+
     def received(self, name: str, rid: str) -> list[torch.Tensor]:
         return self._get(name, _RecordingDecodeWorker).received[rid]
+
+    def used_on_arrival(self, name: str, rid: str) -> int:
+        """The decode worker's blocks in use right after the request's KV arrived."""
+        return self._get(name, _RecordingDecodeWorker).used_on_arrival[rid]
 
     def spec_counts(self, name: str) -> tuple[int, int, int]:
         """A worker's (drafts, draft tokens, accepted tokens) so far."""

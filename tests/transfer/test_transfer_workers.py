@@ -5,6 +5,7 @@ with EAGLE on both sides, the prompt's hidden states come along."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from harness import WorkerProcess, engine_config, greedy
 
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.spec.eagle import FIRST_POSITION, HIDDEN_STATES
+from tandem.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(120)]
 
@@ -61,6 +63,48 @@ def test_tiny_model_kv_and_greedy_tokens(
     prompts = prompts_of([5, 16, 32, 37], vocab=256)
     got = disaggregated(prefill_proc, decode_proc, prompts, channel)
     assert got == decode_proc.call("colocated", model, prompts, MAX_TOKENS)
+
+
+def test_n_choices_are_prefilled_and_sent_once(
+    tiny_llama_path: Path, prefill_proc: WorkerProcess, decode_proc: WorkerProcess
+) -> None:
+    """n = 3: P computes the prompt and samples the three first tokens once, one transfer carries
+    them; D holds the prompt's full blocks once (and a copy of the partial one per choice); each
+    choice equals a request of its own seeded seed + i; nothing is left on either side."""
+    model = str(tiny_llama_path)
+    prefill_proc.call("prefill_worker", "p", model, "grpc", num_blocks=64, block_size=8)
+    decode_proc.call("decode_worker", "d", model, num_blocks=64, block_size=8)
+    prompt = prompts_of([21], vocab=256)[0]  # 2 full blocks of 8 and a partial one
+    params = SamplingParams(max_tokens=MAX_TOKENS, seed=5, ignore_eos=True, n=3)
+    ticket = decode_proc.call("reserve", "d", "r", prompt, MAX_TOKENS, params=params)
+    prefill_proc.call("submit", "p", "r", prompt, MAX_TOKENS, ticket, params=params)
+    result = prefill_proc.call("prefill_result", "r")
+    choices = decode_proc.call("choices", "r", within=20.0)
+    assert [reason for _, reason in choices] == ["length"] * 3
+    assert choices[0][0][0] == result["first_token"]
+    assert decode_proc.call("used_on_arrival", "d", "r") == 2 + 3
+    assert len(prefill_proc.call("sent", "p", "r")) == 2  # one transfer: the model's 2 layers
+    want = decode_proc.call("colocated_choices", model, prompt, params)
+    assert [tokens for tokens, _ in choices] == want
+    assert len({tuple(w) for w in want}) > 1
+    prefill_proc.call("wait_idle", "p")
+    decode_proc.call("wait_idle", "d")
+
+    # A prefill worker that samples choice 0's first token only (one older than n on the wire):
+    # the decode worker computes the prompt itself, with the same choices.
+    ticket = decode_proc.call("reserve", "d", "r1", prompt, MAX_TOKENS, params=params)
+    one = replace(params, n=1)
+    prefill_proc.call("submit", "p", "r1", prompt, MAX_TOKENS, ticket, params=one)
+    prefill_proc.call("prefill_result", "r1")
+    assert [tokens for tokens, _ in decode_proc.call("choices", "r1", within=20.0)] == want
+    prefill_proc.call("wait_idle", "p")
+    decode_proc.call("wait_idle", "d")
+
+    # Cancelled while its KV is awaited: every choice ends, the reservation is freed.
+    decode_proc.call("reserve", "d", "r2", prompt, MAX_TOKENS, params=params)
+    decode_proc.call("cancel", "d", "r2")
+    assert decode_proc.call("choices", "r2") == [([], "abort")] * 3
+    decode_proc.call("wait_idle", "d")
 
 
 def test_smollm2_greedy_tokens_on_every_plane(

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
-from router.choices import choice_preps, derived_seed, merged
+from router.choices import Choice, derived_seed, merged, request_choices
 from router.core import Router
 from router.errors import ErrorKind, RouterError
 from router.relay import Delta
@@ -62,6 +62,7 @@ class Cluster:
         self.seen: list[tuple[str, dict[str, int]]] = []
         self.local_calls = 0
         self.decode_requests: list[wpb.WorkerRequest] = []  # each Decode call's, in order
+        self.decode_aborts: list[str] = []  # each Abort call's request id, in order
         self._servers: list[grpc.aio.Server] = []
 
     def note(self, worker_id: str) -> None:
@@ -110,7 +111,9 @@ class FakeDecode(wpb_grpc.DecodeWorkerServicer):
     """`serve`: the ticket, then (once the KV is pushed, or at once for a local prefill)
     CHUNKS chunks of one token (fewer if max_tokens is lower); `refuse`: UNAVAILABLE before
     the ticket; `die`: UNAVAILABLE after the ticket and one chunk; `endless`: a chunk every
-    10 ms, never the last."""
+    10 ms, never the last. With n choices, each chunk goes out once per choice, with the token
+    97 (a byte of a character, not a whole one) for choice 0 and 64 + i ("a", "b", ...) for
+    choice i > 0."""
 
     def __init__(self, cluster: Cluster, worker_id: str, behaviour: str) -> None:
         self.cluster, self.worker_id, self.behaviour = cluster, worker_id, behaviour
@@ -130,13 +133,23 @@ class FakeDecode(wpb_grpc.DecodeWorkerServicer):
         chunks = min(CHUNKS, request.request.sampling.max_tokens)
         for i in range(chunks if self.behaviour == "serve" else 1 << 30):
             last = self.behaviour == "serve" and i == chunks - 1
-            yield wpb.DecodeResponse(
-                tokens=wpb.TokenChunk(token_ids=[97], finish_reason="length" if last else "")
-            )
+            for index in range(max(request.request.n, 1)):
+                chunk = wpb.TokenChunk(
+                    token_ids=[64 + index if index else 97],
+                    finish_reason="length" if last else "",
+                    index=index,
+                )
+                yield wpb.DecodeResponse(tokens=chunk)
             if self.behaviour == "die":
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker died")
             if self.behaviour == "endless":
                 await asyncio.sleep(0.01)
+
+    async def Abort(
+        self, request: wpb.WorkerAbortRequest, context: grpc.aio.ServicerContext
+    ) -> wpb.WorkerAbortResponse:
+        self.cluster.decode_aborts.append(request.request_id)
+        return wpb.WorkerAbortResponse()
 
 
 class FakePrefill(wpb_grpc.PrefillWorkerServicer):
@@ -313,6 +326,35 @@ def test_request_migrates_when_its_decode_worker_dies_mid_stream(tiny_llama_path
     assert c.seen[2] == ("d2", {"p1": 1, "d2": 1}), c.seen
 
 
+def test_choices_resume_each_on_its_own_when_their_decode_worker_dies(
+    tiny_llama_path: Path,
+) -> None:
+    async def scenario(c: Cluster) -> None:
+        prep = c.router.prepare(SamplingParams(max_tokens=CHUNKS, seed=7), prompt_token_ids=SHORT)
+
+        def deltas(choice: Choice) -> AsyncGenerator[Delta, None]:
+            return choice.deltas(c.router)
+
+        async with contextlib.aclosing(merged(deltas, request_choices(prep, 2))) as choices:
+            got = [item async for item in choices]
+        # d1 sent one token of each; each resumed choice is a request of its own on d2 (where
+        # the fake's tokens are choice 0's)
+        for index, tokens in ((0, [97, 97, 97]), (1, [65, 97, 97])):
+            mine = [d for i, d in got if i == index]
+            assert [t for d in mine for t in d.token_ids] == tokens
+            assert mine[-1].finish_reason == "length"
+
+    c = run(tiny_llama_path, {"d1": "die", "d2": "serve"}, scenario)
+    first, *resumed = c.decode_requests
+    assert first.n == 2
+    rid = first.request_id
+    assert sorted((r.request_id, r.n, r.sampling.seed, r.output_offset) for r in resumed) == [
+        (f"{rid}/c1/m1", 1, 8, 1),
+        (f"{rid}/m1", 1, 7, 1),
+    ]
+    assert c.router.migrations == 2
+
+
 def test_migrations_are_bounded(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
         e = await failure(c, SHORT)
@@ -362,16 +404,19 @@ def test_deadline_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
 
 
 def test_n_choices_end_together(tiny_llama_path: Path) -> None:
-    """Choice i runs as `<id>/c<i>` with seed + i; an Abort of the request id ends every choice,
-    and a consumer that leaves ends them all on their workers."""
+    """n choices are one request upstream (one Decode call with n, one prefill), each choice
+    with its own stream; an Abort of the request id ends every choice, and a consumer that
+    leaves ends them all on their workers."""
 
     async def scenario(c: Cluster) -> None:
         prep = c.router.prepare(SamplingParams(max_tokens=8, seed=5), prompt_token_ids=LONG)
-        preps = choice_preps(prep, 3)
-        assert [p.params.seed for p in preps] == [5, 6, 7]
         assert derived_seed(2**63 - 1, 1) == -(2**63)  # wrapped into int64
         finals, started = [], set()
-        async with contextlib.aclosing(merged(c.router.generate, preps)) as choices:
+
+        def deltas(choice: Choice) -> AsyncGenerator[Delta, None]:
+            return choice.deltas(c.router)
+
+        async with contextlib.aclosing(merged(deltas, request_choices(prep, 3))) as choices:
             async for index, d in choices:
                 if len(started) < 3:
                     started.add(index)
@@ -380,10 +425,36 @@ def test_n_choices_end_together(tiny_llama_path: Path) -> None:
                 if d.finish_reason is not None:
                     finals.append((index, d.finish_reason))
         assert sorted(finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
-        sent = {r.request_id: r.sampling.seed for r in c.decode_requests}
-        assert sent == {f"{prep.request_id}/c{i}": 5 + i for i in range(3)}
-        async with contextlib.aclosing(merged(c.router.generate, choice_preps(prep, 2))) as two:
+        (sent,) = c.decode_requests
+        assert (sent.request_id, sent.n, sent.sampling.seed) == (prep.request_id, 3, 5)
+        assert sorted(w for w, _ in c.seen) == ["d1", "p1"]  # one Decode call, one prefill
+        async with contextlib.aclosing(merged(deltas, request_choices(prep, 2))) as two:
             await anext(two)
-            assert sum(c.router.inflight.values()) >= 2
+            assert c.router.admission.inflight == 1
 
     run(tiny_llama_path, {"p1": "push", "d1": "endless"}, scenario, max_inflight=8)
+
+
+def test_a_stop_string_ends_its_choice_alone(tiny_llama_path: Path) -> None:
+    """Choice 1's text hits the stop string: it ends as "stop" and D is asked to end that
+    choice (an Abort of its id); choice 0 runs to its end."""
+
+    async def scenario(c: Cluster) -> None:
+        stop = c.router.tokenizer.decode([65])  # choice 1's token
+        params = SamplingParams(max_tokens=8, stop=[stop])
+        prep = c.router.prepare(params, prompt_token_ids=SHORT)
+
+        def deltas(choice: Choice) -> AsyncGenerator[Delta, None]:
+            return choice.deltas(c.router)
+
+        async with contextlib.aclosing(merged(deltas, request_choices(prep, 2))) as choices:
+            finals = {i: d for i, d in [item async for item in choices] if d.finish_reason}
+        assert finals[0].finish_reason == "length" and finals[0].completion_tokens == CHUNKS
+        assert finals[1].finish_reason == "stop" and finals[1].stop_reason == stop
+        for _ in range(100):  # the choice's Abort goes out in the background
+            if c.decode_aborts:
+                break
+            await asyncio.sleep(0.01)
+        assert c.decode_aborts == [f"{prep.request_id}/c1"]
+
+    run(tiny_llama_path, {"d1": "serve"}, scenario)

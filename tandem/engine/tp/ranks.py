@@ -68,7 +68,9 @@ class TPModelRunner(ModelRunner):
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInput:
         inp = super().prepare(out, block_tables)
-        StepMessage(inp.input_ids, inp.positions, inp.seqs, inp.sample_indices).send(self.group)
+        StepMessage(
+            inp.input_ids, inp.positions, inp.seqs, inp.sample_indices, list(out.block_copies)
+        ).send(self.group)
         return inp
 
     def execute(self, *args: Any, **kwargs: Any) -> StepResult:
@@ -93,6 +95,7 @@ class TPModelRunner(ModelRunner):
                 share_kv(self.kv_caches)
             if not isinstance(step, StepMessage):
                 continue
+            self.copy_blocks(step.block_copies)
             meta = self.backend.build_metadata(step.seqs, self.device)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
             if step.sample_indices.numel():

@@ -1,10 +1,11 @@
 """The step message: what rank 0 broadcasts so that every rank runs the same forward.
 
 A step is its flattened tokens, their positions, where each request's query sits in its KV
-blocks (`SeqSpec`) and the rows whose logits the sampler reads; the other ranks need nothing else
-of the scheduler. It travels as two int64 tensors: a header of sizes, then the payload (tokens,
-positions, each request's computed tokens, query length and block count, the block ids, the
-sampled rows). A header of another kind is a control message (`CONTROLS`): STOP ends the
+blocks (`SeqSpec`), the rows whose logits the sampler reads and the blocks to copy before the
+forward (a fork's partial last block); the other ranks need nothing else of the scheduler. It
+travels as two int64 tensors: a header of sizes, then the payload (tokens, positions, each
+request's computed tokens, query length and block count, the block ids, the sampled rows, the
+(src, dst) block pairs). A header of another kind is a control message (`CONTROLS`): STOP ends the
 ranks' loop, KEEPALIVE only proves the group alive while rank 0 is idle (a worker heartbeats only
 while these succeed), SHARE_KV asks each rank for its KV cache tensors (a worker's KV transfer
 reads and writes them: `tandem/engine/tp/kv_view.py`).
@@ -22,7 +23,7 @@ from tandem.engine.tp.group import TPGroup
 
 STOP, STEP, KEEPALIVE, SHARE_KV = 0, 1, 2, 3
 CONTROLS = (STOP, KEEPALIVE, SHARE_KV)
-HEADER_LEN = 5  # kind, tokens, requests, block ids, sampled rows
+HEADER_LEN = 6  # kind, tokens, requests, block ids, sampled rows, block copies
 # How long a rank waits for rank 0's next step (an idle engine sends none); a rank 0 that died
 # ends the wait at once (its connections close).
 IDLE_TIMEOUT = timedelta(days=1)
@@ -34,6 +35,7 @@ class StepMessage:
     positions: torch.Tensor  # [num_tokens] int64
     seqs: list[SeqSpec]  # in token order
     sample_indices: torch.Tensor  # [num_rows] int64: the rows whose logits rank 0 samples
+    block_copies: list[tuple[int, int]]  # (src, dst) blocks whose KV is copied first
 
     def send(self, group: TPGroup) -> None:
         """Rank 0: broadcast this step to the other ranks."""
@@ -41,30 +43,35 @@ class StepMessage:
         seq_fields = [
             f for s in self.seqs for f in (s.num_computed_tokens, s.query_len, len(s.block_table))
         ]
+        copies = [b for pair in self.block_copies for b in pair]
         sizes = [len(self.input_ids), len(self.seqs), len(blocks), len(self.sample_indices)]
-        group.broadcast(torch.tensor([STEP, *sizes], device=dev))
+        group.broadcast(torch.tensor([STEP, *sizes, len(self.block_copies)], device=dev))
         tables = torch.tensor(seq_fields + blocks, dtype=torch.long, device=dev)
-        parts = [self.input_ids, self.positions, tables, self.sample_indices]
+        pairs = torch.tensor(copies, dtype=torch.long, device=dev)
+        parts = [self.input_ids, self.positions, tables, self.sample_indices, pairs]
         group.broadcast(torch.cat([p.to(dev, torch.long) for p in parts]))
 
     @classmethod
     def receive(cls, group: TPGroup) -> StepMessage | int:
         """Ranks 1..: rank 0's next step, or the kind of a control message (`CONTROLS`)."""
         header = torch.zeros(HEADER_LEN, dtype=torch.long, device=group.device)
-        kind, tokens, num_seqs, num_blocks, rows = group.broadcast(header, IDLE_TIMEOUT).tolist()
+        kind, tokens, num_seqs, num_blocks, rows, num_copies = group.broadcast(
+            header, IDLE_TIMEOUT
+        ).tolist()
         if kind != STEP:
             return int(kind)
-        sizes = [tokens, tokens, 3 * num_seqs, num_blocks, rows]
+        sizes = [tokens, tokens, 3 * num_seqs, num_blocks, rows, 2 * num_copies]
         payload = torch.empty(sum(sizes), dtype=torch.long, device=group.device)
-        input_ids, positions, seq_fields, blocks, sample_indices = group.broadcast(payload).split(
-            sizes
-        )
+        input_ids, positions, seq_fields, blocks, sample_indices, pairs = group.broadcast(
+            payload
+        ).split(sizes)
         block_ids = blocks.tolist()
         seqs, start = [], 0
         for computed, query_len, num in seq_fields.view(-1, 3).tolist():
             seqs.append(SeqSpec(computed, query_len, block_ids[start : start + num]))
             start += num
-        return cls(input_ids, positions, seqs, sample_indices)
+        copies = [(src, dst) for src, dst in pairs.view(-1, 2).tolist()]
+        return cls(input_ids, positions, seqs, sample_indices, copies)
 
 
 def send_control(group: TPGroup, kind: int) -> None:
