@@ -39,18 +39,29 @@ pytestmark = pytest.mark.timeout(240)
 
 TRANSFER_TIMEOUT_S = 1.0
 QUEUE = 8  # prompts sent at once to a prefill worker that runs one at a time
+# The renewal scenario's deadline and step: the last of the queue waits (QUEUE - 1) steps, well
+# past the deadline, while a transfer's renewals come a step (or timeout / 4) apart. With a 1 s
+# deadline and 0.3 s steps its receiver was seen renewed with only 0.4 s left (2 cores, load
+# ~20): a stall of the loaded machine that long timed a transfer out, a flaky failure. With
+# these, 0.95 s or more was left at every renewal there.
+RENEWAL_TIMEOUT_S = 2.0
+RENEWAL_STEP_S = 0.5
 SERVER_TIMEOUTS = frozenset({"DEADLINE_EXCEEDED", "http 504", "timeout"})
 
 
 def faulty_cluster(
-    model: Path, fault: str, seconds: float, prefill_args: tuple[str, ...] = ()
+    model: Path,
+    fault: str,
+    seconds: float,
+    prefill_args: tuple[str, ...] = (),
+    transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
 ) -> Iterator[LocalCluster]:
     """The cluster, its worker processes started with the fault variable `fault` set."""
     local = LocalCluster(
         str(model),
         http_port=0,
         grpc_port=0,
-        worker_args=[*WORKER_ARGS, "--transfer-timeout", str(TRANSFER_TIMEOUT_S)],
+        worker_args=[*WORKER_ARGS, "--transfer-timeout", str(transfer_timeout_s)],
         prefill_args=list(prefill_args),
     )
     with pytest.MonkeyPatch.context() as env:  # the worker processes inherit it
@@ -92,8 +103,13 @@ def test_a_prefill_slowed_past_its_deadline_falls_back_and_completes(
 def test_a_prefill_queue_longer_than_the_deadline_is_renewed(
     tiny_llama_path: Path, offline_tokens: dict[int, list[int]]
 ) -> None:
+    assert (QUEUE - 1) * RENEWAL_STEP_S > 1.5 * RENEWAL_TIMEOUT_S  # the queue outlasts it
     for cluster in faulty_cluster(
-        tiny_llama_path, FAULT_PREFILL_STEP_DELAY, 0.3 * TRANSFER_TIMEOUT_S, ("--max-num-seqs", "1")
+        tiny_llama_path,
+        FAULT_PREFILL_STEP_DELAY,
+        RENEWAL_STEP_S,
+        ("--max-num-seqs", "1"),
+        RENEWAL_TIMEOUT_S,
     ):
         reference = reference_of(cluster.address, offline_tokens)
         router = cluster.router_server.router  # type: ignore[union-attr]
