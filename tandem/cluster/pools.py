@@ -112,6 +112,8 @@ class WorkerActor:
 
         self.server = build_worker(role, config)
         self.drain_timeout_s = spec.drain_timeout_s
+        self._drain_lock = threading.Lock()  # one drain: SIGTERM's or the controller's
+        self._drained = False
         self._ray_sigterm = signal.getsignal(signal.SIGTERM)
         if threading.current_thread() is threading.main_thread():  # a sync actor's: always
             signal.signal(signal.SIGTERM, self._drain_then_exit)
@@ -123,7 +125,11 @@ class WorkerActor:
         return True
 
     def drain(self, timeout_s: float) -> None:
-        self.server.drain(timeout_s)
+        """Drain the server, once: a second caller waits for the first drain to end."""
+        with self._drain_lock:
+            if not self._drained:
+                self.server.drain(timeout_s)
+                self._drained = True
 
     def _drain_then_exit(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM (its pod deleted, `ray stop`): drain on a thread, then exit through Ray's own
@@ -135,7 +141,7 @@ class WorkerActor:
         log.info("SIGTERM: draining %s", self.server.worker_id)
 
         def drain() -> None:
-            self.server.drain(self.drain_timeout_s)
+            self.drain(self.drain_timeout_s)
             os.kill(os.getpid(), signal.SIGTERM)
 
         threading.Thread(target=drain, name="drain-on-sigterm", daemon=True).start()
