@@ -17,6 +17,7 @@ A request's life here:
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -24,7 +25,12 @@ from dataclasses import dataclass
 from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
 from kv_transfer.ticket import model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
-from tandem.config import EngineConfig, TransferConfig, fault_prefill_step_delay_s
+from tandem.config import (
+    EngineConfig,
+    TransferConfig,
+    fault_kv_trailer_delay_s,
+    fault_prefill_step_delay_s,
+)
 from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
@@ -84,6 +90,7 @@ class PrefillWorker(EngineLoop):
         self._submitted: dict[str, float] = {}
         self._sourced: set[str] = set()
         self.step_delay_s = fault_prefill_step_delay_s()  # 0 unless a test injects the fault
+        self.trailer_delay_s = fault_kv_trailer_delay_s()  # likewise
 
     # -- any thread ---------------------------------------------------------------------------
 
@@ -149,9 +156,13 @@ class PrefillWorker(EngineLoop):
                 transfer.all_layers_ready()
             self._prefill_done[req.request_id] = now
             forks = [(f.output_token_ids[0], first_logprobs.get(f.request_id)) for f in req.forks]
-            transfer.finish(
-                d.new_token_ids[0], first_logprobs.get(req.request_id), d.handover, forks
-            )
+            trailer = (d.new_token_ids[0], first_logprobs.get(req.request_id), d.handover, forks)
+            if self.trailer_delay_s:  # injected: the transfer stalls before its trailer
+                timer = threading.Timer(self.trailer_delay_s, transfer.finish, trailer)
+                timer.daemon = True
+                timer.start()
+            else:
+                transfer.finish(*trailer)
 
     def before_step(self) -> None:
         for key, transfer in self._transfers.items():

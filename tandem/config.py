@@ -89,19 +89,31 @@ def api_key_from_environment() -> str | None:
 
 
 FAULT_PREFILL_STEP_DELAY = "TANDEM_FAULT_PREFILL_STEP_DELAY_S"
+FAULT_KV_TRAILER_DELAY = "TANDEM_FAULT_KV_TRAILER_DELAY_S"
 
 
 def fault_prefill_step_delay_s() -> float:
     """Fault injection, for tests only: seconds each prefill worker's engine step is held up
     (`$TANDEM_FAULT_PREFILL_STEP_DELAY_S`; unset or 0: none), so that a prefill slowed past its
     transfer's deadline stays covered on a machine fast enough never to miss one."""
-    value = os.environ.get(FAULT_PREFILL_STEP_DELAY) or "0"
+    return _fault_seconds(FAULT_PREFILL_STEP_DELAY)
+
+
+def fault_kv_trailer_delay_s() -> float:
+    """Fault injection, for tests only: seconds a prefill worker holds back each KV transfer's
+    trailer (the first token) once its layers went out (`$TANDEM_FAULT_KV_TRAILER_DELAY_S`;
+    unset or 0: none): a transfer that stalls half-way, with the engine loop running on."""
+    return _fault_seconds(FAULT_KV_TRAILER_DELAY)
+
+
+def _fault_seconds(name: str) -> float:
+    value = os.environ.get(name) or "0"
     try:
         delay = float(value)
     except ValueError:
-        raise ValueError(f"{FAULT_PREFILL_STEP_DELAY} must be seconds, got {value!r}") from None
+        raise ValueError(f"{name} must be seconds, got {value!r}") from None
     if delay < 0:
-        raise ValueError(f"{FAULT_PREFILL_STEP_DELAY} must be >= 0, got {delay}")
+        raise ValueError(f"{name} must be >= 0, got {delay}")
     return delay
 
 

@@ -298,12 +298,46 @@ SENTINEL_SCHEME = "redis+sentinel://"
 SENTINEL_PORT = 26379
 
 
+@dataclass(frozen=True)
+class SentinelURL:
+    """`redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/NAME[/DB]`: the
+    Sentinels to ask, the name they monitor the primary as, its database and credentials."""
+
+    sentinels: list[tuple[str, int]]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+    @classmethod
+    def parse(cls, url: str) -> SentinelURL:
+        rest = url.removeprefix(SENTINEL_SCHEME)
+        userinfo, _, hosts = rest.partition("/")[0].rpartition("@")
+        path = rest.partition("/")[2].strip("/").split("/")
+        if not url.startswith(SENTINEL_SCHEME) or not hosts or not path[0] or len(path) > 2:
+            raise ValueError(
+                f"bad Sentinel URL {url!r}: expected "
+                "redis+sentinel://host[:port][,host[:port]]/NAME[/DB]"
+            )
+        username, _, password = userinfo.partition(":")
+        return cls(
+            [
+                (host, int(port) if port else SENTINEL_PORT)
+                for host, _, port in (h.partition(":") for h in hosts.split(","))
+            ],
+            path[0],
+            int(path[1]) if len(path) == 2 else 0,
+            username or None,
+            password or None,
+        )
+
+
 def redis_client(url: str, timeout_s: float) -> redis.Redis:
     """A client of the Redis at `url`: redis-py's own schemes (`redis://`, `rediss://`,
-    `unix://`), or `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/NAME[/DB]`:
-    the current primary of the set Sentinel monitors as NAME, asked of those Sentinels on each
-    new connection, so a call after a failover reaches the promoted replica (the password is the
-    primary's). A refused or reset connection is retried once at once; a timeout is not."""
+    `unix://`), or a `SentinelURL`: the current primary of the set Sentinel monitors as NAME,
+    asked of those Sentinels on each new connection, so a call after a failover reaches the
+    promoted replica (the password is the primary's). A refused or reset connection is retried
+    once at once; a timeout is not."""
     options: dict[str, Any] = {
         "socket_timeout": timeout_s,
         "socket_connect_timeout": timeout_s,
@@ -311,25 +345,15 @@ def redis_client(url: str, timeout_s: float) -> redis.Redis:
     }
     if not url.startswith(SENTINEL_SCHEME):
         return redis.Redis.from_url(url, **options)
-    userinfo, _, hosts = url.removeprefix(SENTINEL_SCHEME).partition("/")[0].rpartition("@")
-    path = url.removeprefix(SENTINEL_SCHEME).partition("/")[2].strip("/").split("/")
-    if not hosts or not path[0] or len(path) > 2:
-        raise ValueError(
-            f"bad Sentinel URL {url!r}: expected redis+sentinel://host[:port][,host[:port]]/NAME[/DB]"
-        )
-    sentinels = [
-        (host, int(port) if port else SENTINEL_PORT)
-        for host, _, port in (h.partition(":") for h in hosts.split(","))
-    ]
-    username, _, password = userinfo.partition(":")
+    parsed = SentinelURL.parse(url)
     sentinel = redis.sentinel.Sentinel(
-        sentinels, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        parsed.sentinels, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
     )
     return sentinel.master_for(
-        path[0],
-        db=int(path[1]) if len(path) == 2 else 0,
-        username=username or None,
-        password=password or None,
+        parsed.service_name,
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
         **options,
     )
 

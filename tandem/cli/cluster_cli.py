@@ -224,6 +224,9 @@ def _serve_until_interrupted(cluster: Any, model: str, demo: bool, api_key: str 
             "tandem.v1.Tandem/Generate"
         )
         console.print(f"  tandem status --router {address.grpc_target}")
+        if cluster.redis_url is None:  # embedded: the URL names no password
+            url = cluster.registry.url
+            console.print(f"  registry {url}  (tandem router --redis)", soft_wrap=True)
         if demo:
             _demo_request(address.http_url, model, api_key)
         console.print("[dim]serving; Ctrl-C or SIGTERM stops[/dim]")

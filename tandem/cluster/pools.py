@@ -27,10 +27,13 @@ its `manual_hold_s`, while `apply` carries out the autoscaler's own decisions.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
+from types import FrameType
 from typing import Any
 
 import ray
@@ -141,6 +144,12 @@ class WorkerActor:
         pg = ray.util.get_current_placement_group()
         ranks = RayActors(pg, name, NAMESPACE) if tp > 1 and pg is not None else None
         self.server = build_worker(role, config, ranks)
+        self.drain_timeout_s = spec.drain_timeout_s
+        self._drain_lock = threading.Lock()  # one drain: SIGTERM's or the controller's
+        self._drained = False
+        self._ray_sigterm = signal.getsignal(signal.SIGTERM)
+        if threading.current_thread() is threading.main_thread():  # a sync actor's: always
+            signal.signal(signal.SIGTERM, self._drain_then_exit)
 
     def info(self) -> dict[str, str]:
         return {"worker_id": self.server.worker_id, "endpoint": self.server.endpoint}
@@ -150,7 +159,26 @@ class WorkerActor:
         return not self.server.lost.is_set()
 
     def drain(self, timeout_s: float) -> None:
-        self.server.drain(timeout_s)
+        """Drain the server, once: a second caller waits for the first drain to end."""
+        with self._drain_lock:
+            if not self._drained:
+                self.server.drain(timeout_s)
+                self._drained = True
+
+    def _drain_then_exit(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM (its pod deleted, `ray stop`): drain on a thread, then exit through Ray's own
+        SIGTERM handler, put back now (so a second SIGTERM ends the process at once). Ray's
+        handler alone would exit at once and fail every request in flight. The main thread
+        stays free meanwhile: the controller's pings are answered until the process exits, and
+        then it replaces the worker."""
+        signal.signal(signal.SIGTERM, self._ray_sigterm)
+        log.info("SIGTERM: draining %s", self.server.worker_id)
+
+        def drain() -> None:
+            self.drain(self.drain_timeout_s)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=drain, name="drain-on-sigterm", daemon=True).start()
 
 
 @dataclass
@@ -432,9 +460,17 @@ class ControllerLoop(PoolController):
             return True
 
     def shutdown(self) -> None:
+        """Stop reconciling, drain every serving worker at once (up to the drain timeout: the
+        routers of other processes may still have requests on them), then remove them all."""
         self._stop.set()
         self._thread.join(5.0)
         with self._lock:
+            for slot in list(self.slots):
+                if slot.state != "draining":
+                    self._start_drain(slot)  # one not serving yet goes at once
+            drained = [s.drained for s in self.slots]
+            if drained:
+                ray.wait(drained, num_returns=len(drained), timeout=self.spec.drain_timeout_s)
             for slot in list(self.slots):
                 self._remove(slot)
 

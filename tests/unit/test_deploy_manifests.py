@@ -28,8 +28,9 @@ import yaml
 from router.policies import POLICIES
 from tandem.cli import app
 from tandem.cluster.autoscaler import AutoscalerConfig
-from tandem.cluster.pools import PoolSpec
+from tandem.cluster.pools import ClusterSpec, PoolSpec, WorkerActor
 from tandem.config import DTYPES, SpecConfig
+from tandem.registry import SentinelURL
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -40,6 +41,7 @@ OVERLAYS = {  # what each overlay must set
     "gpu": {"dtype": "bfloat16", "gpus": 1, "image": "tandem:0.1.0-cuda", "workers": (1, 1)},
 }
 ROLES = ("prefill", "decode")
+WORKLOADS = ("Deployment", "StatefulSet")
 # Kubernetes' resource quantity, as the KubeRay CRD spells it.
 QUANTITY = re.compile(
     r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+"
@@ -80,11 +82,11 @@ class Rendered:
         return {g["groupName"]: g for g in self.ray["spec"]["workerGroupSpecs"]}
 
     def pod_templates(self) -> dict[str, dict[str, Any]]:
-        """Every pod template by owner: Deployments and the RayCluster's groups."""
+        """Every pod template by owner: Deployments, StatefulSets and the RayCluster's groups."""
         out = {
             d["metadata"]["name"]: d["spec"]["template"]
             for d in self.docs
-            if d["kind"] == "Deployment"
+            if d["kind"] in WORKLOADS
         }
         out["ray-head"] = self.ray["spec"]["headGroupSpec"]["template"]
         for name, group in self.groups.items():
@@ -117,7 +119,12 @@ def router_template(rendered: Rendered) -> dict[str, Any]:
 
 
 def ports(template: dict[str, Any]) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for p in container(template).get("ports", [])}
+    """The named ports of every container of the pod."""
+    return {
+        p["name"]: p["containerPort"]
+        for c in template["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
 
 
 def tandem_argv(text: str, env: dict[str, str]) -> list[str]:
@@ -162,12 +169,13 @@ def test_renders_the_expected_resources(rendered: Rendered) -> None:
     ids = sorted((d["kind"], d["metadata"]["name"]) for d in rendered.docs)
     assert ids == [
         ("ConfigMap", "tandem-config"),
-        ("Deployment", "tandem-redis"),
         ("Deployment", "tandem-router"),
+        ("PodDisruptionBudget", "tandem-redis"),
         ("PodDisruptionBudget", "tandem-router"),
         ("RayCluster", "tandem"),
         ("Service", "tandem-redis"),
         ("Service", "tandem-router"),
+        ("StatefulSet", "tandem-redis"),
     ]
     # The overlays patch workerGroupSpecs by index: 0 must stay prefill, 1 decode.
     assert [g["groupName"] for g in rendered.ray["spec"]["workerGroupSpecs"]] == list(ROLES)
@@ -257,7 +265,7 @@ def test_validators_reject_what_they_should() -> None:
 def test_services_and_pdb_select_their_pods(rendered: Rendered) -> None:
     templates = rendered.pod_templates()
     for doc in rendered.docs:
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in WORKLOADS:
             labels = doc["spec"]["template"]["metadata"]["labels"]
             assert doc["spec"]["selector"]["matchLabels"].items() <= labels.items()
     for doc in rendered.docs:
@@ -286,11 +294,8 @@ def test_router_and_head_reach_redis_ray_and_the_same_model(rendered: Rendered) 
     router = cli_params(tandem_argv(script(router_template(rendered)), env))
     head = cli_params(tandem_argv(script(head_template(rendered)), env))
 
-    redis = rendered.one("Service", "tandem-redis")
     for params in (router, head):
-        url = urlparse(params["redis"])
-        assert (url.scheme, url.hostname) == ("redis", redis["metadata"]["name"])
-        assert url.port == redis["spec"]["ports"][0]["port"]
+        assert params["redis"] == rendered.config["TANDEM_REDIS_URL"]
         assert params["model"] == rendered.config["TANDEM_MODEL"]
         assert params["admin_token"] == "s3cret"
 
@@ -306,6 +311,39 @@ def test_router_and_head_reach_redis_ray_and_the_same_model(rendered: Rendered) 
     # Without a token (no Secret), no --admin-token flag at all.
     no_token = cli_params(tandem_argv(script(router_template(rendered)), dict(rendered.config)))
     assert no_token["admin_token"] is None
+
+
+def test_the_registry_url_names_every_sentinel_and_the_set_they_monitor(
+    rendered: Rendered,
+) -> None:
+    """TANDEM_REDIS_URL, as tandem/registry.py reads it, lists each pod of the Redis StatefulSet
+    by the DNS name its headless Service gives it, on the Sentinel port, and names the set the
+    Sentinels monitor; the Redis pods find each other under the same names."""
+    url = SentinelURL.parse(rendered.config["TANDEM_REDIS_URL"])
+    redis_set = rendered.one("StatefulSet", "tandem-redis")
+    service = rendered.one("Service", redis_set["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    pods = [
+        f"{redis_set['metadata']['name']}-{i}.{service['metadata']['name']}"
+        for i in range(redis_set["spec"]["replicas"])
+    ]
+    [sentinel_port] = [p["port"] for p in service["spec"]["ports"] if p["name"] == "sentinel"]
+    assert url.sentinels == [(pod, sentinel_port) for pod in pods]
+    assert (url.db, url.username, url.password) == (0, None, None)
+    assert len(url.sentinels) >= 3, "a quorum of Sentinels survives one lost pod"
+
+    containers = {c["name"]: c for c in redis_set["spec"]["template"]["spec"]["containers"]}
+    sentinel = containers["sentinel"]["args"][0]
+    [monitor] = re.findall(r"sentinel monitor (\S+) \S+ (\d+) (\d+)", sentinel)
+    assert monitor[0] == url.service_name
+    assert int(monitor[1]) == ports(redis_set["spec"]["template"])["redis"]
+    assert int(monitor[2]) == len(pods) // 2 + 1  # the quorum: a majority
+    assert "port 26379\n" in sentinel and sentinel_port == 26379
+    for name, text in ((n, c["args"][0]) for n, c in containers.items()):
+        hosts = set(re.findall(r"([a-z0-9-]+-\$i\.[a-z0-9-]+)", text.replace('"', "")))
+        assert hosts == {f"{redis_set['metadata']['name']}-$i.{service['metadata']['name']}"}, name
+        assert f'primary="{pods[0]}"' in text, name  # the first primary, before any failover
+        assert "for i in 0 1 2;" in text and len(pods) == 3, name
 
 
 def test_both_routers_read_the_api_key_from_an_optional_secret(rendered: Rendered) -> None:
@@ -332,6 +370,9 @@ def test_head_starts_ray_then_the_driver(rendered: Rendered) -> None:
     for owner, template in rendered.pod_templates().items():
         if owner != "tandem-redis":
             subprocess.run(["bash", "-n", "-c", script(template)], check=True, timeout=10)
+    for c in rendered.pod_templates()["tandem-redis"]["spec"]["containers"]:  # alpine: no bash
+        assert c["command"] == ["/bin/sh", "-c", "--"], c["name"]
+        subprocess.run(["sh", "-n", "-c", c["args"][0]], check=True, timeout=10)
 
     serve = cli_params(tandem_argv(text, dict(rendered.config)))
     assert serve["address"] == "auto"
@@ -341,6 +382,20 @@ def test_head_starts_ray_then_the_driver(rendered: Rendered) -> None:
     assert (serve["prefill"], serve["decode"]) == OVERLAYS[rendered.name]["workers"]
     assert serve["spec"] == (rendered.config["TANDEM_SPEC"] or None)
     assert serve["autoscale"] == (rendered.config["TANDEM_AUTOSCALE"] == "true")
+
+
+def test_a_deleted_worker_pod_drains_its_worker_before_ray_stops(rendered: Rendered) -> None:
+    """Its SIGTERM trap sends SIGTERM to the worker actor (which drains: WorkerActor), waits for
+    it to exit, then stops Ray; the pod's grace period covers the drain timeout."""
+    for role in ROLES:
+        template = rendered.groups[role]["template"]
+        [trap] = re.findall(r"^trap '(.*)' TERM$", script(template), re.MULTILINE)
+        steps = [step.strip() for step in trap.split(";")]
+        assert steps[0] == 'pkill -TERM -f "^ray::WorkerActor"', steps
+        assert steps.index("ray stop") > steps.index("done"), steps
+        grace = template["spec"]["terminationGracePeriodSeconds"]
+        assert grace > ClusterSpec("model", "redis://r").drain_timeout_s, role
+    assert WorkerActor.__name__ == "WorkerActor"  # the process title `ray::WorkerActor`
 
 
 def test_worker_groups_advertise_the_pool_resources(rendered: Rendered) -> None:
@@ -425,8 +480,8 @@ def test_probes(rendered: Rendered) -> None:
     router = container(router_template(rendered))
     assert router["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     assert router["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    redis = container(rendered.pod_templates()["tandem-redis"])
-    assert "readinessProbe" in redis and "livenessProbe" in redis
+    for c in rendered.pod_templates()["tandem-redis"]["spec"]["containers"]:
+        assert "readinessProbe" in c and "livenessProbe" in c, c["name"]
 
 
 # -- images -----------------------------------------------------------------------------------
