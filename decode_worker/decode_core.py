@@ -21,7 +21,7 @@ import queue
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,6 +49,7 @@ class TokenChunk:
     draft_tokens: int = 0  # on the last chunk: speculative tokens verified, and accepted
     accepted_tokens: int = 0
     transfer_s: float = 0.0  # on the first chunk after a transfer: prefill end to admission
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token
 
 
 class OutputStream:
@@ -161,7 +162,7 @@ class DecodeWorker(EngineLoop):
     def after_step(self, deltas: list[RequestDelta]) -> None:
         self._issue_tickets()
         for d in deltas:
-            self._emit(d.request, d.new_token_ids, d.logprobs)
+            self._emit(d.request, d.new_token_ids, d.logprobs, d.prompt_logprobs)
 
     def _issue_tickets(self) -> None:
         for rid in list(self._tickets):
@@ -186,7 +187,8 @@ class DecodeWorker(EngineLoop):
             exposed = time.time() - a.first_token_unix if a.first_token_unix else None
             self.transfer_metrics.success(a.nbytes, a.seconds, exposed)
             req = self.engine.remote_kv_arrived(rid, a.first_token, a.extras)
-            self._emit(req, [a.first_token], [a.logprobs] if a.logprobs else [], exposed or 0.0)
+            first_logprobs = [a.logprobs] if a.logprobs else []
+            self._emit(req, [a.first_token], first_logprobs, a.prompt_logprobs, exposed or 0.0)
             return
         assert a.error is not None
         self.transfer_metrics.failure(a.error.cause)
@@ -203,6 +205,7 @@ class DecodeWorker(EngineLoop):
         req: Request,
         tokens: list[int],
         logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs],
         transfer_s: float = 0.0,
     ) -> None:
         stream = self._streams.get(req.request_id)
@@ -212,7 +215,13 @@ class DecodeWorker(EngineLoop):
         m = req.metrics
         stream.put(
             TokenChunk(
-                tokens, logprobs, reason, m.num_draft_tokens, m.num_accepted_tokens, transfer_s
+                tokens,
+                logprobs,
+                reason,
+                m.num_draft_tokens,
+                m.num_accepted_tokens,
+                transfer_s,
+                prompt_logprobs,
             )
         )
         if reason is not None:

@@ -58,6 +58,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                         draft_tokens=chunk.draft_tokens,
                         accepted_tokens=chunk.accepted_tokens,
                         transfer_s=chunk.transfer_s,
+                        prompt_logprobs=[logprobs_to_proto(lp) for lp in chunk.prompt_logprobs],
                     )
                 )
         except TransferError as e:

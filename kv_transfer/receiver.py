@@ -67,6 +67,7 @@ class Arrival:
     error: TransferError | None
     first_token: int | None = None
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     nbytes: int = 0
     data_plane: str = ""
@@ -401,6 +402,7 @@ class KVReceiver:
             first = chunk.trailer.first_token
             a.first_token = first.token_id
             a.logprobs = logprobs_from_proto(first.logprobs) if first.HasField("logprobs") else None
+            a.prompt_logprobs = [logprobs_from_proto(lp) for lp in first.prompt_logprobs]
             a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
             a.first_token_unix = chunk.trailer.first_token_unix
             res.status.advance(TransferState.SUCCESS)

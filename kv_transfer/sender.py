@@ -55,7 +55,8 @@ CHANNELS = ("auto", "grpc", "pair", "shm")
 WRITE_MARGIN_S = 0.25  # stop writing into a receiver's memory this long before its deadline
 RECEIVER_LAG_S = 1.0  # a stalled transfer waits this long for its receiver to time out too
 
-_Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor]]
+# the first token, its logprobs, the prompt's logprobs, the proposer's tensors
+_Trailer = tuple[int, TokenLogprobs | None, list[TokenLogprobs], dict[str, torch.Tensor]]
 _KEEPALIVE = "keepalive"  # queued by renew(): the next message is a KeepAlive
 _Item = int | _Trailer | str | None  # a layer, the trailer, _KEEPALIVE, or the end
 
@@ -124,11 +125,13 @@ class OutboundTransfer:
         first_token: int,
         logprobs: TokenLogprobs | None = None,
         extras: dict[str, torch.Tensor] | None = None,
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
-        """The first token (and anything the receiver's proposer needs) ends the transfer."""
+        """The first token (with its logprobs, the prompt's if asked for, and anything the
+        receiver's proposer needs) ends the transfer."""
         self.first_token = first_token
         self.first_token_unix = time.time()
-        self._items.put((first_token, logprobs, extras or {}))
+        self._items.put((first_token, logprobs, list(prompt_logprobs), extras or {}))
 
     def renew(self) -> None:
         """The request is still here and not started (queued, or its earlier chunks computing):
@@ -263,7 +266,7 @@ class OutboundTransfer:
                     return
                 self.nbytes += len(layers) * self.layout.layer_nbytes(self.ticket.num_tokens)
                 continue
-            first_token, logprobs, extras = item
+            first_token, logprobs, prompt_logprobs, extras = item
             try:
                 plane.flush(max(self.status.remaining(), 0))
             except Exception as e:  # end the stream; _run reports this cause
@@ -271,7 +274,11 @@ class OutboundTransfer:
                 return
             logprobs_msg = logprobs_to_proto(logprobs) if logprobs is not None else None
             trailer = pb.Trailer(
-                first_token=pb.FirstToken(token_id=first_token, logprobs=logprobs_msg),
+                first_token=pb.FirstToken(
+                    token_id=first_token,
+                    logprobs=logprobs_msg,
+                    prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs],
+                ),
                 extras=[tensor_to_proto(k, v) for k, v in extras.items()],
                 first_token_unix=self.first_token_unix,
             )

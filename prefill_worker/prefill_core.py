@@ -143,7 +143,8 @@ class PrefillWorker(EngineLoop):
                 transfer.set_source(self.engine.kv_cache.block_table(req.request_id))
                 transfer.all_layers_ready()
             self._prefill_done[req.request_id] = now
-            transfer.finish(d.new_token_ids[0], d.logprobs[0] if d.logprobs else None, d.handover)
+            first_logprobs = d.logprobs[0] if d.logprobs else None
+            transfer.finish(d.new_token_ids[0], first_logprobs, d.handover, d.prompt_logprobs)
 
     def before_step(self) -> None:
         for key, transfer in self._transfers.items():
