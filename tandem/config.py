@@ -244,7 +244,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
-SPEC_METHODS = ("ngram", "draft", "layerskip", "medusa", "eagle")
+# `grammar`: no proposer; the only drafts are the tokens a structured output's grammar forces
+# (engine/grammar.py), so a request with `speculative` false is the same request without them
+SPEC_METHODS = ("ngram", "draft", "layerskip", "medusa", "eagle", "grammar")
 # The field each method needs: its argument in `METHOD:ARG` (parse_speculative)
 SPEC_ARGUMENTS = {
     "draft": "draft_model",
