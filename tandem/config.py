@@ -306,9 +306,9 @@ def parse_speculative(text: str, **options: Any) -> dict[str, Any]:
     wrong. ARG may instead come in `options` (e.g. `draft_model`)."""
     name, _, arg = text.strip().partition(":")
     spec: dict[str, Any] = {"method": name, **options}
-    if name == "ngram":
+    if name in ("ngram", "grammar"):
         if arg:
-            raise ValueError(f"speculative method {text!r}: ngram takes no argument")
+            raise ValueError(f"speculative method {text!r}: {name} takes no argument")
     elif name in SPEC_ARGUMENTS:
         field_name = SPEC_ARGUMENTS[name]
         if arg:
