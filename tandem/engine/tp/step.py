@@ -33,7 +33,7 @@ class StepMessage:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     seqs: list[SeqSpec]  # in token order
-    sample_indices: torch.Tensor  # [num_rows] int64: the rows whose logits rank 0 samples
+    sample_indices: torch.Tensor  # [num_rows] int64: the rows whose logits rank 0 samples/scores
 
     def send(self, group: TPGroup) -> None:
         """Rank 0: broadcast this step to the other ranks."""
