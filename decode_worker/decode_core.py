@@ -26,7 +26,7 @@ import queue
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,7 @@ class TokenChunk:
     accepted_tokens: int = 0
     transfer_s: float = 0.0  # on the first chunk after a transfer: prefill end to admission
     index: int = 0  # the choice these tokens are of
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # with the first token
 
 
 class OutputStream:
@@ -177,7 +178,7 @@ class DecodeWorker(EngineLoop):
     def after_step(self, deltas: list[RequestDelta]) -> None:
         self._issue_tickets()
         for d in deltas:
-            self._emit(d.request, d.new_token_ids, d.logprobs)
+            self._emit(d.request, d.new_token_ids, d.logprobs, d.prompt_logprobs)
 
     def _issue_tickets(self) -> None:
         for rid in list(self._tickets):
@@ -210,7 +211,8 @@ class DecodeWorker(EngineLoop):
             fork_tokens = [t for t, _ in a.fork_first_tokens]
             req = self.engine.remote_kv_arrived(rid, a.first_token, a.extras, fork_tokens)
             for choice, (token, logprobs) in zip((req, *req.forks), firsts, strict=True):
-                self._emit(choice, [token], [logprobs] if logprobs else [], exposed or 0.0)
+                first_logprobs = [logprobs] if logprobs else []
+                self._emit(choice, [token], first_logprobs, a.prompt_logprobs, exposed or 0.0)
             return
         assert a.error is not None
         self.transfer_metrics.failure(a.error.cause)
@@ -229,6 +231,7 @@ class DecodeWorker(EngineLoop):
         req: Request,
         tokens: list[int],
         logprobs: list[TokenLogprobs],
+        prompt_logprobs: list[TokenLogprobs],
         transfer_s: float = 0.0,
     ) -> None:
         stream = self._streams.get(req.request_id)
@@ -245,6 +248,7 @@ class DecodeWorker(EngineLoop):
                 m.num_accepted_tokens,
                 transfer_s,
                 req.index,
+                prompt_logprobs,
             )
         )
         if reason is not None:

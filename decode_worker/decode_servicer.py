@@ -60,6 +60,7 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
                         accepted_tokens=chunk.accepted_tokens,
                         transfer_s=chunk.transfer_s,
                         index=chunk.index,
+                        prompt_logprobs=[logprobs_to_proto(lp) for lp in chunk.prompt_logprobs],
                     )
                 )
         except TransferError as e:

@@ -67,6 +67,7 @@ class Arrival:
     error: TransferError | None
     first_token: int | None = None
     logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     nbytes: int = 0
     data_plane: str = ""
@@ -400,7 +401,9 @@ class KVReceiver:
             if res.cancelled:
                 raise TransferError(FailureCause.CANCELLED, "the request was aborted")
             a = res.arrival
-            a.first_token, a.logprobs = _sampled(chunk.trailer.first_token)
+            first = chunk.trailer.first_token
+            a.first_token, a.logprobs = _sampled(first)
+            a.prompt_logprobs = [logprobs_from_proto(lp) for lp in first.prompt_logprobs]
             a.fork_first_tokens = [_sampled(f) for f in chunk.trailer.fork_first_tokens]
             a.extras = {t.name: tensor_from_proto(t) for t in chunk.trailer.extras}
             a.first_token_unix = chunk.trailer.first_token_unix

@@ -56,7 +56,11 @@ WRITE_MARGIN_S = 0.25  # stop writing into a receiver's memory this long before 
 RECEIVER_LAG_S = 1.0  # a stalled transfer waits this long for its receiver to time out too
 
 SampledToken = tuple[int, TokenLogprobs | None]  # a token id and its logprobs, if asked for
-_Trailer = tuple[int, TokenLogprobs | None, dict[str, torch.Tensor], Sequence[SampledToken]]
+# the first token, its logprobs, the prompt's logprobs, the proposer's tensors, the other choices'
+# first tokens
+_Trailer = tuple[
+    int, TokenLogprobs | None, list[TokenLogprobs], dict[str, torch.Tensor], Sequence[SampledToken]
+]
 _KEEPALIVE = "keepalive"  # queued by renew(): the next message is a KeepAlive
 _Item = int | _Trailer | str | None  # a layer, the trailer, _KEEPALIVE, or the end
 
@@ -126,12 +130,14 @@ class OutboundTransfer:
         logprobs: TokenLogprobs | None = None,
         extras: dict[str, torch.Tensor] | None = None,
         forks: Sequence[SampledToken] = (),
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
-        """The first token (and anything the receiver's proposer needs, and the first tokens of
-        the request's other choices) ends the transfer."""
+        """The first token (with its logprobs, the prompt's if asked for, anything the
+        receiver's proposer needs, and the first tokens of the request's other choices) ends
+        the transfer."""
         self.first_token = first_token
         self.first_token_unix = time.time()
-        self._items.put((first_token, logprobs, extras or {}, forks))
+        self._items.put((first_token, logprobs, list(prompt_logprobs), extras or {}, forks))
 
     def renew(self) -> None:
         """The request is still here and not started (queued, or its earlier chunks computing):
@@ -266,14 +272,18 @@ class OutboundTransfer:
                     return
                 self.nbytes += len(layers) * self.layout.layer_nbytes(self.ticket.num_tokens)
                 continue
-            first_token, logprobs, extras, forks = item
+            first_token, logprobs, prompt_logprobs, extras, forks = item
             try:
                 plane.flush(max(self.status.remaining(), 0))
             except Exception as e:  # end the stream; _run reports this cause
                 self._local_error = _transfer_error(e)
                 return
             trailer = pb.Trailer(
-                first_token=_first_token(first_token, logprobs),
+                first_token=pb.FirstToken(
+                    token_id=first_token,
+                    logprobs=logprobs_to_proto(logprobs) if logprobs is not None else None,
+                    prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs],
+                ),
                 extras=[tensor_to_proto(k, v) for k, v in extras.items()],
                 first_token_unix=self.first_token_unix,
                 fork_first_tokens=[_first_token(t, lp) for t, lp in forks],

@@ -156,7 +156,13 @@ class PrefillWorker(EngineLoop):
                 transfer.all_layers_ready()
             self._prefill_done[req.request_id] = now
             forks = [(f.output_token_ids[0], first_logprobs.get(f.request_id)) for f in req.forks]
-            trailer = (d.new_token_ids[0], first_logprobs.get(req.request_id), d.handover, forks)
+            trailer = (
+                d.new_token_ids[0],
+                first_logprobs.get(req.request_id),
+                d.handover,
+                forks,
+                d.prompt_logprobs,
+            )
             if self.trailer_delay_s:  # injected: the transfer stalls before its trailer
                 timer = threading.Timer(self.trailer_delay_s, transfer.finish, trailer)
                 timer.daemon = True

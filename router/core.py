@@ -259,12 +259,12 @@ class Router:
         model: str = "",
         prompt: str | None = None,
         messages: Sequence[dict[str, Any]] | None = None,
-        add_generation_prompt: bool = True,
+        chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> list[int]:
         """The token ids `prepare` would send for this prompt or conversation (/tokenize)."""
         self._check_model(model)
         if messages is not None and prompt is None:
-            return self._chat_tokens(messages, ChatTemplateOptions(add_generation_prompt))
+            return self._chat_tokens(messages, chat_template)
         if prompt is not None and messages is None:
             return self.tokenizer.encode(prompt)
         raise invalid("give exactly one of prompt or messages", "prompt")
@@ -762,6 +762,7 @@ def _resumed(prep: Prepared, sent: list[int], migration: int) -> Prepared:
         max_tokens=None if params.max_tokens is None else params.max_tokens - k,
         min_tokens=max(params.min_tokens - k, 0),
         output_offset=params.output_offset + k,
+        prompt_logprobs=None,  # sent with the first token already
     )
     return replace(
         prep,

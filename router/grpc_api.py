@@ -5,6 +5,7 @@ token are checked before a servicer runs (`auth.py`); health follows readiness (
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,11 +16,12 @@ from grpc_reflection.v1alpha import reflection
 
 from router.auth import BearerInterceptor, Credentials
 from router.choices import MAX_N, merged, request_choices
-from router.core import Router
+from router.core import ChatTemplateOptions, Router
 from router.errors import RouterError, invalid
 from router.readiness import ReadinessHealth
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
+from router.tools import ToolCall, ToolStream, ToolUse, template_message
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc
 
@@ -31,8 +33,38 @@ def _prepare_args(request: api_pb2.GenerateRequest) -> dict[str, Any]:
     if which == "prompt_token_ids":
         return {"prompt_token_ids": list(request.prompt_token_ids.ids)}
     if which == "chat":
-        return {"messages": [{"role": m.role, "content": m.content} for m in request.chat.messages]}
+        return {"messages": [_template_message(i, m) for i, m in enumerate(request.chat.messages)]}
     raise invalid("one of prompt, prompt_token_ids or chat is required", "input")
+
+
+def _template_message(index: int, m: api_pb2.ChatMessage) -> dict[str, Any]:
+    calls = [ToolCall(c.name, c.arguments, c.id) for c in m.tool_calls]
+    return template_message(index, m.role, m.content, calls or None, m.tool_call_id or None)
+
+
+def _tool_use(request: api_pb2.GenerateRequest, parser: str) -> ToolUse | None:
+    """The request's tools and tool choice, checked as the HTTP API's are (`ToolUse.of`)."""
+    tools = [_openai_tool(i, t) for i, t in enumerate(request.tools)]
+    if tools and request.WhichOneof("input") != "chat":
+        raise invalid("tools need chat input", "tools")
+    choice: Any = None
+    which = request.tool_choice.WhichOneof("choice")
+    if which == "mode":
+        choice = request.tool_choice.mode
+    elif which == "function":
+        choice = {"type": "function", "function": {"name": request.tool_choice.function}}
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None
+    return ToolUse.of(tools, choice, parallel, parser)
+
+
+def _openai_tool(index: int, tool: api_pb2.Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name, "description": tool.description}
+    if tool.parameters:
+        try:
+            function["parameters"] = json.loads(tool.parameters)
+        except ValueError:
+            raise invalid(f"tools[{index}].parameters must be JSON text", "tools") from None
+    return {"type": "function", "function": function}
 
 
 def delta_to_proto(request_id: str, d: Delta, index: int = 0) -> api_pb2.GenerateResponse:
@@ -43,6 +75,7 @@ def delta_to_proto(request_id: str, d: Delta, index: int = 0) -> api_pb2.Generat
         text=d.text,
         logprobs=[logprobs_to_proto(lp) for lp in d.logprobs],
         finish_reason=d.finish_reason or "",
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in d.prompt_logprobs or ()],
     )
     if d.finish_reason is not None:
         msg.usage.prompt_tokens = d.prompt_tokens
@@ -55,6 +88,16 @@ def delta_to_proto(request_id: str, d: Delta, index: int = 0) -> api_pb2.Generat
         msg.timings.draft_tokens = int(t.get("draft_tokens", 0))
         msg.timings.accepted_tokens = int(t.get("accepted_tokens", 0))
     return msg
+
+
+def _with_tool_calls(msg: api_pb2.GenerateResponse, stream: ToolStream, d: Delta) -> None:
+    """The message's text as content that cannot be a call, and at the end the calls."""
+    content, calls, reason = stream.add(d.text, d.finish_reason)
+    msg.text = content
+    msg.finish_reason = reason or ""
+    msg.tool_calls.extend(
+        api_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls
+    )
 
 
 async def _abort_with(context: grpc.aio.ServicerContext, e: RouterError) -> None:
@@ -82,20 +125,30 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 raise invalid(str(e), field) from None
             if request.n > MAX_N:
                 raise invalid(f"n must be at most {MAX_N}, got {request.n}", "n")
+            tool_use = _tool_use(request, self.router.tool_parser)
             prep = self.router.prepare(
-                params,
+                params if tool_use is None else tool_use.constrain(params),
                 model=request.model,
                 request_id=request.request_id,
                 priority=request.priority,
                 timeout_s=request.timeout_s,
                 speculative=request.speculative if request.HasField("speculative") else None,
+                chat_template=ChatTemplateOptions(
+                    tools=tool_use.prompt_tools if tool_use is not None else None
+                ),
                 **_prepare_args(request),
             )
             choices = request_choices(prep, max(request.n, 1))
+            streams = (
+                [ToolStream(tool_use) for _ in choices] if tool_use and tool_use.parses else []
+            )
             observed = merged(lambda c: self.metrics.observe(c.deltas(self.router)), choices)
             async with contextlib.aclosing(observed) as deltas:
                 async for index, delta in deltas:
-                    yield delta_to_proto(prep.request_id, delta, index)
+                    msg = delta_to_proto(prep.request_id, delta, index)
+                    if streams:
+                        _with_tool_calls(msg, streams[index], delta)
+                    yield msg
         except RouterError as e:
             await _abort_with(context, e)
 

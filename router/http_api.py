@@ -11,6 +11,7 @@ field (malformed JSON included), 404 for an unknown model, 429 with Retry-After 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -32,7 +33,7 @@ from router.core import ChatTemplateOptions, Prepared, Router
 from router.errors import ErrorKind, RouterError, invalid
 from router.relay import Delta
 from router.router_metrics import RouterMetrics
-from router.tools import ToolUse
+from router.tools import ToolCall, ToolStream, ToolUse, finish_reason, template_message
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
@@ -95,6 +96,11 @@ class _StructuredOutputs(BaseModel):
         return structured_output_of(kind, getattr(self, "json_" if kind == "json" else kind), name)
 
 
+def _most(a: int | None, b: int | None) -> int | None:
+    """The larger of two optional counts (None: not asked for)."""
+    return b if a is None else a if b is None else max(a, b)
+
+
 def structured_output_of(kind: str, value: Any, source: str) -> StructuredOutput:
     """The constraint one request field asks for: `kind` json (a schema), choice, json_object,
     regex or grammar; `source` names the field in errors."""
@@ -150,6 +156,7 @@ class _Sampling(BaseModel):
     guided_grammar: str | None = None
     structured_outputs: _StructuredOutputs | None = None
     logit_bias: dict[str, float] | None = None  # token id (as JSON keys are strings) -> bias
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and top-n
 
     def structured_output(self) -> StructuredOutput | None:
         """The one structured output the request asks for (400 naming the second if two)."""
@@ -188,7 +195,15 @@ class _Sampling(BaseModel):
             raise ValueError("response_format: json_schema needs json_schema.schema")
         return StructuredOutput.json_schema(form.schema_, name)
 
-    def sampling_params(self, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        """The sampling parameters; `prompt_logprobs` when the endpoint asks for more of them
+        than the field does (completions: echo with logprobs)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise invalid(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
         if not 1 <= self.n <= MAX_N:
             raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -212,6 +227,7 @@ class _Sampling(BaseModel):
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=_most(self.prompt_logprobs, prompt_logprobs),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=self.structured_output(),
@@ -251,17 +267,15 @@ class CompletionRequest(_Sampling):
         return [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p} for p in prompt]
 
     def completion_params(self) -> SamplingParams:
-        """The sampling parameters; `max_tokens: 0` (only with echo) becomes 1 here: those
-        requests are not generated (`_echo_only`)."""
+        """The sampling parameters: echo with logprobs asks for the prompt's too. `max_tokens: 0`
+        (only with echo) becomes 1 here: that token is not sent (`_echo_only`)."""
         if self.suffix:
             raise invalid(
                 "suffix (fill in the middle) is not supported: the served chat models have no "
                 "infilling template",
                 "suffix",
             )
-        if self.echo and self.logprobs is not None:
-            raise invalid("echo with logprobs needs the prompt's logprobs, not served", "echo")
-        params = self.sampling_params(self.logprobs)
+        params = self.sampling_params(self.logprobs, self.logprobs if self.echo else None)
         return replace(params, max_tokens=1) if self.echo_only else params
 
     @property
@@ -314,37 +328,12 @@ class ChatMessage(BaseModel):
         return "\n".join(texts)
 
     def template_message(self, index: int) -> dict[str, Any]:
-        """The message as a chat template reads it: role and text content, an assistant's
-        tool calls with their arguments as objects (as vLLM passes them), a tool message's
-        call id. A message of the wrong shape is a 400 naming `messages`."""
-        where = f"messages[{index}]"
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise invalid(f"{where} needs content", "messages")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise invalid(f"{where}: only assistant messages have tool_calls", "messages")
-        if (self.role == "tool") != (self.tool_call_id is not None):
-            raise invalid(f"{where}: tool messages, and only they, have tool_call_id", "messages")
-        message: dict[str, Any] = {"role": self.role, "content": self.text(index)}
-        if self.tool_calls:
-            message["tool_calls"] = [
-                {
-                    "id": c.id,
-                    "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c, where)},
-                }
-                for c in self.tool_calls
-            ]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _arguments(call: _ToolCall, where: str) -> Any:
-    try:
-        return json.loads(call.function.arguments)
-    except ValueError:
-        message = f"{where}: tool call {call.id} has arguments that are not JSON"
-        raise invalid(message, "messages") from None
+        """The message as a chat template reads it (`tools.template_message`)."""
+        calls = None
+        if self.tool_calls is not None:
+            calls = [ToolCall(c.function.name, c.function.arguments, c.id) for c in self.tool_calls]
+        text = None if self.content is None else self.text(index)
+        return template_message(index, self.role, text, calls, self.tool_call_id)
 
 
 class ChatRequest(_Sampling):
@@ -368,16 +357,7 @@ class ChatRequest(_Sampling):
         """The sampling parameters, with the constraint that the tool choice puts on the output."""
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.sampling_params(n_logprobs)
-        constraint = tool_use.structured_output() if tool_use is not None else None
-        if constraint is None:
-            return params
-        if params.structured_output is not None:
-            raise invalid(
-                f"tool_choice {tool_use.choice if tool_use else ''} constrains the output; "
-                f"it cannot be combined with {params.structured_output.source}",
-                "tool_choice",
-            )
-        return replace(params, structured_output=constraint)
+        return params if tool_use is None else tool_use.constrain(params)
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -499,6 +479,14 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # with messages: rendered as a chat request's
+
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them, checked as a chat request's are."""
+        if self.tools is not None and self.messages is None:
+            raise invalid("tools need messages", "tools")
+        tool_use = ToolUse.of(self.tools, None, None)
+        return tool_use.prompt_tools if tool_use is not None else None
 
 
 class DetokenizeRequest(BaseModel):
@@ -518,7 +506,9 @@ def _add_tokenizer_routes(app: FastAPI, router: Router) -> None:
             model=body.model,
             prompt=body.prompt,
             messages=messages,
-            add_generation_prompt=body.add_generation_prompt,
+            chat_template=ChatTemplateOptions(
+                body.add_generation_prompt, tools=body.prompt_tools()
+            ),
         )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": router.max_model_len}
 
@@ -537,9 +527,8 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
             router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
             for prompt in body.prompts()
         ]
-        render = _CompletionRender(router, preps, body.logprobs is not None, body.n, body.echo)
-        generate = _echo_only if body.echo_only else None
-        return await _respond(router, metrics, render, body, request, generate)
+        render = _CompletionRender(router, preps, body)
+        return await _respond(router, metrics, render, body, request, body.echo_only)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
@@ -556,7 +545,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
                 tool_use.prompt_tools if tool_use is not None else None,
             ),
         )
-        render = _ChatRender(router, [prep], body.logprobs, body.n, tool_use)
+        render = _ChatRender(router, [prep], body, tool_use)
         return await _respond(router, metrics, render, body, request)
 
 
@@ -566,16 +555,19 @@ async def _respond(
     render: _Render,
     body: _Sampling,
     request: Request,
-    generate: Callable[[Prepared], AsyncGenerator[Delta, None]] | None = None,
+    echo_only: bool = False,
 ) -> Response:
     """Run each prompt's n choices (`choices.py`; choice i*n + j is prompt i's j-th) and
     answer, whole or as a stream."""
     choices = [choice for prep in render.preps for choice in request_choices(prep, body.n)]
 
-    def choice_deltas(c: Choice) -> AsyncGenerator[Delta, None]:
-        return generate(c.prep) if generate is not None else metrics.observe(c.deltas(router))
+    def generate(c: Choice) -> AsyncGenerator[Delta, None]:
+        return metrics.observe(c.deltas(router))
 
-    deltas = merged(choice_deltas, choices)
+    def echo(c: Choice) -> AsyncGenerator[Delta, None]:
+        return _echo_only(c.prep, lambda: generate(c))
+
+    deltas = merged(echo if echo_only else generate, choices)
     if not body.stream:
         try:
             await _run_while_connected(deltas, render, request)
@@ -602,9 +594,18 @@ async def _respond(
     return StreamingResponse(sse(), media_type="text/event-stream")
 
 
-async def _echo_only(prep: Prepared) -> AsyncGenerator[Delta, None]:
-    """The answer to an echo request with nothing to generate: its end, no worker involved."""
-    yield Delta([], "", [], "length", len(prep.prompt_token_ids), 0)
+async def _echo_only(
+    prep: Prepared, generate: Callable[[], AsyncGenerator[Delta, None]]
+) -> AsyncGenerator[Delta, None]:
+    """The answer to an echo request with nothing to generate: its end. No worker is involved
+    unless the prompt's logprobs are asked for: they come with a first token, which is dropped."""
+    scores = None
+    if prep.params.prompt_logprobs is not None:
+        async with contextlib.aclosing(generate()) as deltas:
+            async for d in deltas:
+                scores = scores or d.prompt_logprobs
+        scores = scores or []
+    yield Delta([], "", [], "length", len(prep.prompt_token_ids), 0, prompt_logprobs=scores)
 
 
 async def _starting_with(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
@@ -649,12 +650,13 @@ class _Choice:
     stop_reason: int | str | None = None
     completion_tokens: int = 0
     started: bool = False  # a stream chunk has been sent for it
-    streamed: int = 0  # with tools: the characters of the text sent so far
     streamed_logprobs: int = 0  # with tools: the logprobs sent so far
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # tokens 1, 2, ...
 
     def add(self, d: Delta) -> None:
         self.text.append(d.text)
         self.token_logprobs.extend(d.logprobs)
+        self.prompt_logprobs.extend(d.prompt_logprobs or ())
         if d.finish_reason is not None:
             self.finish_reason = d.finish_reason
             self.stop_reason = d.stop_reason
@@ -668,14 +670,18 @@ class _Render:
     kind = ""
     prefix = "cmpl"
 
-    def __init__(self, router: Router, preps: list[Prepared], logprobs: bool, n: int) -> None:
+    def __init__(
+        self, router: Router, preps: list[Prepared], logprobs: bool, body: _Sampling
+    ) -> None:
         self.tokenizer = router.tokenizer
         self.model = router.model_name
         self.preps = preps  # one per prompt; prompt i's choices are i*n .. i*n + n-1
         self.logprobs = logprobs
+        self.n = body.n
+        self.num_prompt_logprobs = body.prompt_logprobs  # vLLM's field: None when not asked
         self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(n * len(preps))]
+        self.choices = [_Choice() for _ in range(body.n * len(preps))]
 
     def add(self, index: int, d: Delta) -> None:
         self.choices[index].add(d)
@@ -705,6 +711,24 @@ class _Render:
     def token_text(self, token_id: int) -> str:
         return str(self.tokenizer.decode([token_id]))
 
+    def prompt_logprobs(self, c: _Choice) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs`: per prompt token, None for the first, then by token id the
+        token's and its top-n's logprob, rank and text."""
+        n = self.num_prompt_logprobs
+        if n is None:
+            return None
+
+        def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+            return {"logprob": logprob, "rank": rank, "decoded_token": self.token_text(token_id)}
+
+        scores: list[dict[str, Any] | None] = [None]
+        for lp in c.prompt_logprobs:
+            top = zip(lp.top_token_ids[:n], lp.top_logprobs[:n], strict=True)
+            position = {str(t): entry(t, p, rank) for rank, (t, p) in enumerate(top, 1)}
+            position[str(lp.token_id)] = entry(lp.token_id, lp.logprob, lp.rank)
+            scores.append(position)
+        return scores
+
     def full(self) -> dict[str, Any]:
         choices = [self.full_choice(i, c) for i, c in enumerate(self.choices)]
         return {**self.envelope(self.kind, choices), "usage": self.usage()}
@@ -730,43 +754,61 @@ class _CompletionRender(_Render):
     kind = "text_completion"
     prefix = "cmpl"
 
-    def __init__(
-        self, router: Router, preps: list[Prepared], logprobs: bool, n: int, echo: bool
-    ) -> None:
-        super().__init__(router, preps, logprobs, n)
-        # echo: each choice's text starts with its prompt's (token ids decoded, as vLLM does)
-        self.echoed = [self.tokenizer.decode(p.prompt_token_ids) if echo else "" for p in preps]
-        self.n = n
+    def __init__(self, router: Router, preps: list[Prepared], body: CompletionRequest) -> None:
+        super().__init__(router, preps, body.logprobs is not None, body)
+        self.num_logprobs = body.logprobs or 0
+        # echo: each choice's text starts with its prompt's (token ids decoded, as vLLM does),
+        # and with logprobs its logprobs with the prompt's (the first token's are null)
+        self.echo = body.echo
+        self.echoed = [
+            self.tokenizer.decode(p.prompt_token_ids) if self.echo else "" for p in preps
+        ]
 
-    def _logprobs(self, lps: list[TokenLogprobs]) -> dict[str, Any] | None:
+    def _logprobs(
+        self, lps: list[TokenLogprobs], echoed: tuple[list[int], list[TokenLogprobs]] | None
+    ) -> dict[str, Any] | None:
+        """OpenAI's legacy logprobs of `lps`, after those of an echoed prompt (its token ids and
+        the logprobs of its tokens after the first)."""
         if not self.logprobs:
             return None
-        return {
-            "tokens": [self.token_text(lp.token_id) for lp in lps],
-            "token_logprobs": [lp.logprob for lp in lps],
-            "top_logprobs": [
-                {
-                    self.token_text(t): p
-                    for t, p in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-                }
-                for lp in lps
-            ],
-        }
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        scored = lps
+        if echoed is not None:
+            prompt, scores = echoed
+            tokens += [self.token_text(t) for t in prompt]
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            scored = scores + lps
+        for lp in scored:
+            top = list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))[: self.num_logprobs]
+            token_logprobs.append(lp.logprob)
+            top_logprobs.append({self.token_text(t): p for t, p in top})
+        tokens += [self.token_text(lp.token_id) for lp in lps]
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs}
+
+    def _echoed(self, index: int, first: bool) -> tuple[list[int], list[TokenLogprobs]] | None:
+        """Choice `index`'s prompt and its scores, when its first text echoes them."""
+        if not (self.echo and first):
+            return None
+        return self.preps[index // self.n].prompt_token_ids, self.choices[index].prompt_logprobs
 
     def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         return {
             "index": index,
             "text": self.echoed[index // self.n] + "".join(c.text),
-            "logprobs": self._logprobs(c.token_logprobs),
+            "logprobs": self._logprobs(c.token_logprobs, self._echoed(index, True)),
             "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
+            "prompt_logprobs": self.prompt_logprobs(c),
         }
 
     def chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any]:
         return {
             "index": index,
             "text": self.echoed[index // self.n] + d.text if first else d.text,
-            "logprobs": self._logprobs(d.logprobs),
+            "logprobs": self._logprobs(d.logprobs, self._echoed(index, first)),
             "finish_reason": d.finish_reason,
         }
 
@@ -796,15 +838,12 @@ class _ChatRender(_Render):
         }
 
     def __init__(
-        self,
-        router: Router,
-        preps: list[Prepared],
-        logprobs: bool,
-        n: int,
-        tool_use: ToolUse | None,
+        self, router: Router, preps: list[Prepared], body: ChatRequest, tool_use: ToolUse | None
     ) -> None:
-        super().__init__(router, preps, logprobs, n)
+        super().__init__(router, preps, body.logprobs, body)
         self.tool_use = tool_use if tool_use is not None and tool_use.parses else None
+        if self.tool_use is not None:
+            self.tool_streams = [ToolStream(self.tool_use) for _ in self.choices]
 
     def _message(self, c: _Choice) -> tuple[dict[str, Any], str | None]:
         """The choice's message, its tool calls read from the text when tools may be called,
@@ -817,7 +856,11 @@ class _ChatRender(_Render):
         if not calls:
             return message, c.finish_reason
         message["tool_calls"] = [call.to_openai() for call in calls]
-        return message, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+        return message, finish_reason(calls, c.finish_reason)
+
+    def full(self) -> dict[str, Any]:
+        """vLLM's chat answer has the prompt's logprobs beside the choices."""
+        return {**super().full(), "prompt_logprobs": self.prompt_logprobs(self.choices[0])}
 
     def full_choice(self, index: int, c: _Choice) -> dict[str, Any]:
         message, finish_reason = self._message(c)
@@ -843,39 +886,23 @@ class _ChatRender(_Render):
         }
 
     def _tool_chunk_choice(self, index: int, d: Delta, first: bool) -> dict[str, Any] | None:
-        """With tools, the text an `auto` answer has before any `<tool_call>` streams as content;
-        what may be a call is held back to the answer's end (all of a `required` or named one),
-        then sent as one delta: the content left and the whole tool calls, each with its
-        `index`. Logprobs come with the chunk that sends their text, the rest with the last."""
-        assert self.tool_use is not None
-        auto = self.tool_use.choice == "auto"
-        if d.finish_reason is None and not auto:
-            return None  # a required or named answer is all call: held to its end
+        """With tools, the text streams as content as far as it cannot be a call
+        (`ToolStream`); the calls come with the last delta, each with its `index`.
+        Logprobs come with the chunk that sends their text, the rest with the last."""
         c = self.choices[index]
-        text = "".join(c.text)
+        content, calls, reason = self.tool_streams[index].add(d.text, d.finish_reason)
+        if not (content or reason):
+            return None
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        finish_reason = None
-        if d.finish_reason is None:
-            end = self.tool_use.streamable_prefix(text) if auto else 0
-            if end <= c.streamed:
-                return None
-            delta["content"] = text[c.streamed : end]
-            c.streamed = end
-        else:
-            message, finish_reason = self._message(c)
-            calls = message.get("tool_calls", [])
-            end = len(text)  # no calls: the text is the content
-            if calls:
-                end = self.tool_use.streamable_prefix(text) if auto else 0
-            if end > c.streamed:
-                delta["content"] = text[c.streamed : end]
-            if calls:
-                delta["tool_calls"] = [{"index": i, **t} for i, t in enumerate(calls)]
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **t.to_openai()} for i, t in enumerate(calls)]
         logprobs = c.token_logprobs[c.streamed_logprobs :]
         c.streamed_logprobs = len(c.token_logprobs)
         return {
             "index": index,
             "delta": delta,
             "logprobs": self._logprobs(logprobs),
-            "finish_reason": finish_reason,
+            "finish_reason": reason,
         }

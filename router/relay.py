@@ -29,6 +29,7 @@ class Delta:
     completion_tokens: int = 0
     stop_reason: int | str | None = None
     timings: dict[str, Any] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # with the first tokens, when asked for
 
 
 class Relay:
@@ -71,10 +72,13 @@ class Relay:
         reason, stop_reason = self._finish(chunk.finish_reason or None, tokens)
         text = self.detok.pop_text(reason is not None)
         logprobs = [logprobs_from_proto(lp) for lp in chunk.logprobs]
+        prompt_logprobs = [logprobs_from_proto(lp) for lp in chunk.prompt_logprobs] or None
         if reason is None:
-            return Delta(tokens, text, logprobs)
+            return Delta(tokens, text, logprobs, prompt_logprobs=prompt_logprobs)
         spec = {"draft_tokens": chunk.draft_tokens, "accepted_tokens": chunk.accepted_tokens}
-        return self.final(tokens, reason, text, logprobs, stop_reason, spec)
+        final = self.final(tokens, reason, text, logprobs, stop_reason, spec)
+        final.prompt_logprobs = prompt_logprobs
+        return final
 
     def _finish(self, reason: str | None, tokens: list[int]) -> tuple[str | None, int | str | None]:
         """Why the request ends here (None: it goes on), and the stop string or stop token."""

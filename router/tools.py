@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.errors import invalid
+from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
 
 _TAG = "<tool_call>"
@@ -45,15 +46,19 @@ _HERMES_SYSTEM = (
 )
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # JSON text
-    id: str = ""
+    id: str = field(default_factory=_call_id, compare=False)
 
     def to_openai(self) -> dict[str, Any]:
         return {
-            "id": self.id or f"call_{uuid.uuid4().hex[:24]}",
+            "id": self.id,
             "type": "function",
             "function": {"name": self.name, "arguments": self.arguments},
         }
@@ -125,6 +130,20 @@ class ToolUse:
             schema["maxItems"] = 1
         return StructuredOutput.json_schema(schema, "tool_choice")
 
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """`params` with the constraint the tool choice puts on the output, if any; another
+        structured output beside it is a 400 naming `tool_choice`."""
+        constraint = self.structured_output()
+        if constraint is None:
+            return params
+        if params.structured_output is not None:
+            raise invalid(
+                f"tool_choice {self.choice} constrains the output; "
+                f"it cannot be combined with {params.structured_output.source}",
+                "tool_choice",
+            )
+        return replace(params, structured_output=constraint)
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """The answer's content and tool calls; no calls (the text as content) when the text
         holds none that can be read."""
@@ -141,6 +160,75 @@ class ToolUse:
     def streamable_prefix(self, text: str) -> int:
         """How much of an `auto` answer can stream as content now."""
         return PARSERS[self.parser].streamable_prefix(text)
+
+
+def finish_reason(calls: Sequence[ToolCall], reason: str | None) -> str | None:
+    """An answer that stopped with tool calls ends with `tool_calls`, as OpenAI's do."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+@dataclass
+class ToolStream:
+    """One answer with tools as it streams (the HTTP API's chunks, gRPC's messages): its text so
+    far, and how much of it went out as content."""
+
+    use: ToolUse
+    text: str = ""
+    sent: int = 0
+
+    def add(self, text: str, reason: str | None) -> tuple[str, list[ToolCall], str | None]:
+        """For `text` more of the answer: the content that goes out now and, at the answer's end
+        (`reason` set), its calls and finish reason. An `auto` answer's text streams up to where
+        a call may begin; a `required` or named one is all call, held to its end."""
+        self.text += text
+        finished = reason is not None
+        calls = self.use.parse(self.text)[1] if finished else []
+        end = len(self.text)
+        if calls or not finished:  # what may be a call is held back
+            end = self.use.streamable_prefix(self.text) if self.use.choice == "auto" else 0
+        content = self.text[self.sent : max(end, self.sent)]
+        self.sent += len(content)
+        return content, calls, finish_reason(calls, reason)
+
+
+def template_message(
+    index: int,
+    role: str,
+    content: str | None,
+    tool_calls: Sequence[ToolCall] | None = None,
+    tool_call_id: str | None = None,
+) -> dict[str, Any]:
+    """Chat message `index` as a chat template reads it: role and content, an assistant's tool
+    calls with their arguments as objects (as vLLM passes them), a tool message's call id. A
+    message of the wrong shape is a 400 naming `messages`."""
+    where = f"messages[{index}]"
+    if content is None and not (role == "assistant" and tool_calls):
+        raise invalid(f"{where} needs content", "messages")
+    if tool_calls is not None and role != "assistant":
+        raise invalid(f"{where}: only assistant messages have tool_calls", "messages")
+    if (role == "tool") != (tool_call_id is not None):
+        raise invalid(f"{where}: tool messages, and only they, have tool_call_id", "messages")
+    message: dict[str, Any] = {"role": role, "content": content or ""}
+    if tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": _arguments(c, where)},
+            }
+            for c in tool_calls
+        ]
+    if tool_call_id is not None:
+        message["tool_call_id"] = tool_call_id
+    return message
+
+
+def _arguments(call: ToolCall, where: str) -> Any:
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        message = f"{where}: tool call {call.id} has arguments that are not JSON"
+        raise invalid(message, "messages") from None
 
 
 def parse_hermes(text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:

@@ -256,7 +256,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
-SPEC_METHODS = ("ngram", "draft", "layerskip", "medusa", "eagle")
+# `grammar`: no proposer; the only drafts are the tokens a structured output's grammar forces
+# (engine/grammar.py), so a request with `speculative` false is the same request without them
+SPEC_METHODS = ("ngram", "draft", "layerskip", "medusa", "eagle", "grammar")
 # The field each method needs: its argument in `METHOD:ARG` (parse_speculative)
 SPEC_ARGUMENTS = {
     "draft": "draft_model",
@@ -316,9 +318,9 @@ def parse_speculative(text: str, **options: Any) -> dict[str, Any]:
     wrong. ARG may instead come in `options` (e.g. `draft_model`)."""
     name, _, arg = text.strip().partition(":")
     spec: dict[str, Any] = {"method": name, **options}
-    if name == "ngram":
+    if name in ("ngram", "grammar"):
         if arg:
-            raise ValueError(f"speculative method {text!r}: ngram takes no argument")
+            raise ValueError(f"speculative method {text!r}: {name} takes no argument")
     elif name in SPEC_ARGUMENTS:
         field_name = SPEC_ARGUMENTS[name]
         if arg:

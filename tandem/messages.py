@@ -19,11 +19,13 @@ _FLOAT_FIELDS = (
     "frequency_penalty",
 )
 
+_LOGPROB_FIELDS = ("logprobs", "prompt_logprobs")
+
 
 def sampling_from_proto(msg: api_pb2.SamplingOptions) -> SamplingParams:
     """Unset optional fields keep SamplingParams' defaults; the caller validates the result."""
     kwargs: dict[str, object] = {}
-    for name in ("max_tokens", "top_k", "seed", "logprobs", *_FLOAT_FIELDS):
+    for name in ("max_tokens", "top_k", "seed", *_LOGPROB_FIELDS, *_FLOAT_FIELDS):
         if msg.HasField(name):
             kwargs[name] = getattr(msg, name)
     if not msg.HasField("max_tokens"):
@@ -88,8 +90,9 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
         msg.max_tokens = params.max_tokens
     if params.seed is not None:
         msg.seed = params.seed
-    if params.logprobs is not None:
-        msg.logprobs = params.logprobs
+    for name in _LOGPROB_FIELDS:
+        if getattr(params, name) is not None:
+            setattr(msg, name, getattr(params, name))
     if params.structured_output is not None:
         msg.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return msg

@@ -39,6 +39,10 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0  # EOS and stop_token_ids are suppressed until this many tokens exist
     logprobs: int | None = None  # top-n logprobs per token; 0 = only the sampled token's
+    # vLLM's prompt_logprobs: top-n logprobs of every prompt token after the first, in the raw
+    # model distribution; such a prompt is computed whole (no prefix-cache hit: a cached
+    # position has no logits).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False  # the text keeps the stop string it ends on
     # Output tokens generated before this request was resumed elsewhere (request migration):
@@ -121,6 +125,10 @@ class SamplingParams:
             raise ValueError(f"output_offset must be >= 0, got {self.output_offset}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         for token_id, bias in self.logit_bias:
             if not 0 <= token_id < vocab_size:
                 raise ValueError(

@@ -212,6 +212,8 @@ class GrpcClient:
         if request.json_schema:
             sampling.structured_output.json_schema = request.json_schema
         msg = api_pb2.GenerateRequest(model=c.model, sampling=sampling)
+        if request.speculative is not None:
+            msg.speculative = request.speculative
         if request.messages:
             msg.chat.messages.extend(
                 api_pb2.ChatMessage(role=r, content=t) for r, t in request.messages
@@ -559,13 +561,27 @@ def summarize_point(
     tags = sorted({s.request.tag for s in kept})
     if len(tags) > 1:
         report["by_tag"] = {
-            tag: asdict(
-                summarize([s.timeline for s in kept if s.request.tag == tag], config.slo_given)
-            )
-            for tag in tags
+            tag: tag_summary([s for s in kept if s.request.tag == tag], config) for tag in tags
         }
     report["requests"] = [request_record(s, start, id(s.timeline) in kept_ids) for s in sents]
     return PointResult(point, sents, kept, summary, report)
+
+
+def tag_summary(sents: Sequence[Sent], config: ServeConfig) -> dict[str, Any]:
+    """One tag's summary, with its share of accepted draft tokens in its output tokens (over
+    gRPC; on a `--spec grammar` worker, the grammar's forced tokens) and its mean decode rate
+    per request, (output tokens - 1) / (E2E - TTFT)."""
+    timelines = [s.timeline for s in sents]
+    ok = [s for s in sents if s.timeline.ok and s.timeline.tpot]
+    out = sum(s.timeline.n_out for s in ok)
+    accepted = sum(s.extra.get("server", {}).get("accepted_tokens", 0) for s in ok)
+    return {
+        **asdict(summarize(timelines, config.slo_given)),
+        "output_tokens": out,
+        "accepted_tokens": accepted,
+        "accepted_share": accepted / out if out else None,
+        "decode_tok_s": sum(1 / (s.timeline.tpot or 1) for s in ok) / len(ok) if ok else None,
+    }
 
 
 def client_checks(kept: Sequence[Sent]) -> dict[str, int]:

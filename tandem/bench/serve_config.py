@@ -50,6 +50,8 @@ class ServeConfig:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}")
         if self.duration_s is not None and self.duration_s <= 0:
             raise ValueError(f"duration_s must be > 0, got {self.duration_s}")
+        if self.workload.name == "json-schema:forced" and not self.grpc:
+            raise ValueError("json-schema:forced sets `speculative` per request: it needs --grpc")
 
     @property
     def api(self) -> str:

@@ -184,15 +184,18 @@ def tag_table(results: Sequence[PointResult]) -> Table | None:
     if not any("by_tag" in r.report for r in results):
         return None
     table = Table(title="by tag: ms p50/p90/p99", title_justify="left", box=box.SIMPLE_HEAD)
-    for name in ("load", "tag", "reqs", "TTFT", "TPOT", "E2E"):
+    for name in ("load", "tag", "reqs", "TTFT", "TPOT", "E2E", "accepted", "decode tok/s"):
         table.add_column(name, justify="left" if name in ("load", "tag") else "right")
     for r in results:
         for tag, s in r.report.get("by_tag", {}).items():
+            share, rate = s.get("accepted_share"), s.get("decode_tok_s")
             table.add_row(
                 r.point.label,
                 tag,
                 str(s["num_requests"]),
                 *(_ms3(_stats(s[m])) for m in ("ttft", "tpot", "e2e")),
+                "-" if share is None else f"{share:.0%}",
+                "-" if rate is None else f"{rate:.1f}",
             )
     return table
 

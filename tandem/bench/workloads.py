@@ -22,6 +22,12 @@ them in order and cycles through the pool when it needs more):
   tagged `free` (the two alternate in order, as the second finds the prompt in the prefix
   cache). EOS honoured (a schema ends at its closing brace); `max_tokens` from
   `output_len`. The per-tag summary compares TPOT with and without the grammar.
+  `json-schema:forced` (gRPC only): a schema of long fixed keys and enums of long values, so
+  that most output tokens are forced by the grammar, in triples: tagged `schema`, the same
+  request again with `speculative` false, tagged `schema-nodrafts` (on a decode worker run with
+  `--spec grammar` the forced tokens are its only drafts, so this is the request without them),
+  and `free`, without a schema (the three rotate in order). The per-tag summary reports each
+  tag's share of accepted draft tokens in its output and its decode rate.
 - `trace:PATH`: JSONL rows `{"timestamp": s, "input_len": n, "output_len": m}`; random token ids
   of those lengths, sent at the row's timestamp relative to the first row (a `trace` load point,
   optionally capped at `concurrency`; given a rate, the trace's lengths arrive at that rate).
@@ -141,6 +147,7 @@ class BenchRequest:
     source: str = ""  # e.g. "specbench:81"
     arrival_s: float | None = None  # trace replay: offset from the first row
     json_schema: str = ""  # a structured output's schema (JSON text); "": free text
+    speculative: bool | None = None  # the request's override (gRPC only); None: the worker's
 
     def __post_init__(self) -> None:
         if bool(self.prompt_token_ids) == bool(self.messages):
@@ -163,6 +170,8 @@ class BenchRequest:
         }
         if self.arrival_s is not None:
             row["arrival_s"] = self.arrival_s
+        if self.speculative is not None:
+            row["speculative"] = self.speculative
         if self.messages:
             row["messages"] = [{"role": r, "content": c} for r, c in self.messages]
         else:
@@ -201,6 +210,8 @@ class WorkloadConfig:
             raise WorkloadError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
         if self.kind == "trace" and not self.argument:
             raise WorkloadError("trace needs a path: trace:PATH")
+        if self.kind == "json-schema" and self.argument not in ("", "forced"):
+            raise WorkloadError(f"json-schema takes no argument or forced, got {self.argument}")
         unknown = set(self.categories) - set(SPECBENCH_CATEGORIES)
         if unknown:
             raise WorkloadError(
@@ -322,29 +333,18 @@ _CATEGORY_WORDS = [
 
 def json_schema_requests(config: WorkloadConfig, rng: random.Random) -> list[BenchRequest]:
     out_len = LengthDist.parse(config.output_len)
+    forced = config.argument == "forced"
     out: list[BenchRequest] = []
-    for pair in range(((config.num_requests or DEFAULT_POOL) + 1) // 2):
-        kind = rng.choice(sorted(_RECORDS))
-        fields = _RECORDS[kind]
-        categories = rng.sample(_CATEGORY_WORDS, 3)
-        schema = {
-            "type": "object",
-            "properties": {
-                **{name: {"type": t} for name, t in fields.items()},
-                "category": {"enum": categories},
-            },
-            "required": [*fields, "category"],
-            "additionalProperties": False,
-        }
-        prompt = (
-            f"Invent a {kind} (record {pair}) and answer in JSON with the fields "
-            f"{', '.join(fields)} and a category, one of {', '.join(categories)}."
-        )
+    for group in range(config.num_requests or DEFAULT_POOL):
+        prompt, schema = (_forced_record if forced else _record)(group, rng)
         n_out = out_len.sample(rng)
-        pair_requests = [("schema", json.dumps(schema)), ("free", "")]
-        if pair % 2:  # the second of a pair finds its prompt in the prefix cache: alternate
-            pair_requests.reverse()
-        for tag, text in pair_requests:
+        arms: list[tuple[str, str, bool | None]] = [("schema", schema, None), ("free", "", None)]
+        if forced:
+            arms.insert(1, ("schema-nodrafts", schema, False))
+        # the first of a group computes the prompt, the others find it in the prefix cache:
+        # each arm goes first as often as the others
+        shift = group % len(arms)
+        for tag, text, speculative in arms[shift:] + arms[:shift]:
             out.append(
                 BenchRequest(
                     len(out),
@@ -353,9 +353,57 @@ def json_schema_requests(config: WorkloadConfig, rng: random.Random) -> list[Ben
                     ignore_eos=False,
                     tag=tag,
                     json_schema=text,
+                    speculative=speculative,
                 )
             )
+        if len(out) >= (config.num_requests or DEFAULT_POOL):
+            break
     return out[: config.num_requests or DEFAULT_POOL]
+
+
+def _record(group: int, rng: random.Random) -> tuple[str, str]:
+    """A prompt asking for a record, and its schema: the kind's fields and a category enum."""
+    kind = rng.choice(sorted(_RECORDS))
+    fields = _RECORDS[kind]
+    categories = rng.sample(_CATEGORY_WORDS, 3)
+    schema = {
+        "type": "object",
+        "properties": {
+            **{name: {"type": t} for name, t in fields.items()},
+            "category": {"enum": categories},
+        },
+        "required": [*fields, "category"],
+        "additionalProperties": False,
+    }
+    prompt = (
+        f"Invent a {kind} (record {group}) and answer in JSON with the fields "
+        f"{', '.join(fields)} and a category, one of {', '.join(categories)}."
+    )
+    return prompt, json.dumps(schema)
+
+
+def _forced_record(group: int, rng: random.Random) -> tuple[str, str]:
+    """A prompt and a schema whose output the grammar mostly forces: long fixed keys, enums of
+    long values that differ early, one short free string."""
+    words = rng.sample(_CATEGORY_WORDS, 4)
+    properties: dict[str, Any] = {
+        "customer_reference_code_as_printed_on_the_invoice": {"type": "string", "maxLength": 12},
+        "preferred_delivery_window_for_this_shipment": {
+            "enum": [f"{words[0]}_weekday_mornings_before_noon", f"{words[1]}_weekend_afternoons"]
+        },
+        "subscription_tier_assigned_to_this_account": {
+            "enum": [f"{words[2]}_basic_monthly_plan", f"{words[3]}_premium_annual_plan"]
+        },
+        "accepted_the_terms_and_conditions_of_service": {"type": "boolean"},
+    }
+    schema = {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+    prompt = f"Invent customer record {group} as JSON with the fields {', '.join(properties)}."
+    return prompt, json.dumps(schema)
 
 
 def _ignore_eos(config: WorkloadConfig) -> bool:

@@ -35,7 +35,8 @@ DeviceOpt = Annotated[str, typer.Option(help="cpu | cuda | cuda:N")]
 SpecOpt = Annotated[
     str | None,
     typer.Option(
-        help="Speculative decoding: ngram | draft[:MODEL] | layerskip:N | medusa:DIR | eagle:DIR."
+        help="Speculative decoding: ngram | draft[:MODEL] | layerskip:N | medusa:DIR | eagle:DIR"
+        " | grammar (a structured output's forced tokens only)."
     ),
 ]
 DraftModelOpt = Annotated[str | None, typer.Option(help="--spec draft: the draft model.")]

@@ -42,6 +42,9 @@ class RequestDelta:
     request: Request
     new_token_ids: list[int]
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With the first token of a request that asked for them: its prompt tokens' logprobs, from
+    # the second token on (the first has none)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # A prompt handed over (FINISHED_PREFILLED): the proposer's state for the decode side.
     handover: dict[str, Tensor] = field(default_factory=dict)
 
@@ -210,10 +213,20 @@ class EngineCore:
         kind = StepKind.of(out)  # before update moves the requests on
         start = time.perf_counter()
         result = self.runner.execute(out, tables, self._layer_hook(out))
+        for s in out.scheduled:
+            req = s.request
+            req.prompt_logprobs += result.prompt_logprobs.get(req.request_id, [])
+            for fork in req.forks:  # the prompt's, shared: each choice's first token carries it
+                fork.prompt_logprobs = req.prompt_logprobs
         changed = self.scheduler.update(out, result.tokens)
         seconds = time.perf_counter() - start
         deltas = [
-            RequestDelta(r, kept, result.logprobs.get(r.request_id, [])[: len(kept)])
+            RequestDelta(
+                r,
+                kept,
+                result.logprobs.get(r.request_id, [])[: len(kept)],
+                _first_prompt_logprobs(r, kept),
+            )
             for r, kept in changed
         ]
         if self.spec_decoder is not None:
@@ -242,3 +255,9 @@ class EngineCore:
             <= s.request.num_computed_tokens + s.num_new_tokens
         ]
         return (lambda layer: role.prompt_layer_computed(layer, done)) if done else None
+
+
+def _first_prompt_logprobs(req: Request, kept: list[int]) -> list[TokenLogprobs]:
+    """The prompt's logprobs if `kept` starts the request's output and it asked for them."""
+    first = bool(kept) and len(req.output_token_ids) == len(kept)
+    return req.prompt_logprobs if first and req.params.prompt_logprobs is not None else []

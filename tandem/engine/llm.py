@@ -46,6 +46,8 @@ class RequestOutput:
     delta: str = ""  # text added since the previous streamed output
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: prompt tokens 1, 2, ... (the first has none)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string
@@ -53,7 +55,12 @@ class RequestOutput:
 
     def snapshot(self) -> RequestOutput:
         """A copy that later steps leave alone (what `LLM.stream` hands out)."""
-        return replace(self, token_ids=list(self.token_ids), logprobs=list(self.logprobs))
+        return replace(
+            self,
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs),
+            prompt_logprobs=list(self.prompt_logprobs),
+        )
 
 
 class LLM:
@@ -197,6 +204,7 @@ class _State:
         out, req = self.output, self.request
         out.token_ids.extend(delta.new_token_ids)
         out.logprobs.extend(delta.logprobs)
+        out.prompt_logprobs.extend(delta.prompt_logprobs)
         visible = [t for t in delta.new_token_ids if not _is_eos_stop(req, t)]
         self.detok.add(visible)
         if self.detok.stop_string is not None and not req.status.finished:

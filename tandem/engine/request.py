@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tandem.engine.spec.adaptive import Acceptance
+from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ class Request:
     grammar: GrammarMatcher | None = None  # a structured output's matcher, at the output's end
     index: int = 0  # which of its prompt's n choices this is
     forks: list[Request] = field(default_factory=list)  # choices 1 .. n-1, when this is choice 0
+    # params.prompt_logprobs: those of prompt tokens 1, 2, ... computed so far (token 0 has none)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -91,6 +94,18 @@ class Request:
     def forking(self) -> bool:
         """Whether its other choices are still to be sampled with its first token."""
         return bool(self.forks) and not self.output_token_ids
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached blocks: not when its prompt's logprobs are
+        asked for, since a cached position has no logits."""
+        return self.params.prompt_logprobs is None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether a step computing its prompt also scores it (`prompt_logprobs`): until its
+        first token, with which they leave."""
+        return self.params.prompt_logprobs is not None and not self.output_token_ids
 
     def append_output(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)

@@ -41,6 +41,8 @@ class StepResult:
     # for those of them that asked for logprobs: one per new token
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     hidden: StepHidden | None = None  # the step's final hidden states, when the runner keeps them
+    # request id -> logprobs of the prompt tokens this step scored (`Request.scores_prompt`)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -48,8 +50,11 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     seqs: list[SeqSpec]
-    sample_indices: torch.Tensor  # [num_rows] rows of the token batch whose logits are needed
+    # [num_rows] rows of the token batch whose logits are needed: the sampled rows, then the
+    # scored prompt rows
+    sample_indices: torch.Tensor
     sampled: list[ScheduledRequest]  # one logits row each, k + 1 rows with k drafts
+    scored: list[tuple[Request, list[int]]]  # after them: prompt rows, with the tokens they score
     spans: dict[str, tuple[int, int, int]]  # request id -> (first row, first position, rows)
 
 
@@ -108,10 +113,21 @@ class ModelRunner:
         sample_indices: list[int] = []
         sampled: list[ScheduledRequest] = []
         spans: dict[str, tuple[int, int, int]] = {}
+        prompt_rows: list[int] = []
+        scored: list[tuple[Request, list[int]]] = []
         for s in scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             spans[req.request_id] = (len(input_ids), start, s.num_new_tokens)
+            if req.scores_prompt:
+                # position p's logits score prompt token p + 1; a recompute skips those scored
+                first = max(start, len(req.prompt_logprobs))
+                last = min(end, req.num_prompt_tokens - 1)
+                if first < last:
+                    prompt_rows.extend(
+                        range(len(input_ids) + first - start, len(input_ids) + last - start)
+                    )
+                    scored.append((req, req.all_token_ids[first + 1 : last + 1]))
             input_ids.extend(req.all_token_ids[start:end])
             input_ids.extend(s.draft_token_ids)  # beyond the known tokens
             positions.extend(range(start, end))
@@ -120,8 +136,10 @@ class ModelRunner:
                 num_rows = len(s.draft_token_ids) + 1
                 sample_indices.extend(range(len(input_ids) - num_rows, len(input_ids)))
                 sampled.append(s)
-        ids, pos, rows = to_device((input_ids, positions, sample_indices), self.device)
-        return ModelInput(ids, pos, seqs, rows, sampled, spans)
+        ids, pos, rows = to_device(
+            (input_ids, positions, sample_indices + prompt_rows), self.device
+        )
+        return ModelInput(ids, pos, seqs, rows, sampled, scored, spans)
 
     @torch.inference_mode()
     def execute(
@@ -139,9 +157,15 @@ class ModelRunner:
             meta = self.backend.build_metadata(inp.seqs, self.device)
             hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, meta, after_layer)
         result = StepResult(hidden=StepHidden(hidden, inp.spans) if self.keep_hidden else None)
-        if not inp.sampled:
+        if not inp.sample_indices.numel():
             return result
         logits = self.model.compute_logits(hidden[inp.sample_indices])  # [num_rows, vocab]
+        if inp.scored:
+            num_sampled = logits.shape[0] - sum(len(tokens) for _, tokens in inp.scored)
+            _score_prompts(logits[num_sampled:], inp.scored, result)
+            logits = logits[:num_sampled]
+        if not inp.sampled:
+            return result
         plain_rows: list[int] = []
         plain: list[Request] = []
         verify: list[tuple[ScheduledRequest, int]] = []  # with the index of its first row
@@ -282,6 +306,23 @@ class ModelRunner:
         for i, lp in zip(emitted_rows, lists, strict=True):
             if lp is not None:
                 result.logprobs.setdefault(row_reqs[i].request_id, []).append(lp)
+
+
+def _score_prompts(
+    logits: torch.Tensor,  # [num_scored_rows, vocab]
+    scored: list[tuple[Request, list[int]]],
+    result: StepResult,
+) -> None:
+    """The prompt tokens' logprobs, each in the raw model distribution of the row before it."""
+    raw = logits.float().log_softmax(dim=-1)
+    ids = torch.tensor([t for _, tokens in scored for t in tokens], device=raw.device)
+    counts = [r.params.prompt_logprobs for r, tokens in scored for _ in tokens]
+    lists = gather_logprobs(raw, ids, max(n or 0 for n in counts)).to_lists(counts)
+    start = 0
+    for r, tokens in scored:
+        chunk = lists[start : start + len(tokens)]
+        result.prompt_logprobs[r.request_id] = [lp for lp in chunk if lp is not None]
+        start += len(tokens)
 
 
 def _draft_probs(

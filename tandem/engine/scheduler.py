@@ -170,7 +170,7 @@ class Scheduler:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KV
                 self.parked[req.request_id] = req
                 continue
-            prefix = self.kv_cache.match_prefix(req.all_token_ids)
+            prefix = self.kv_cache.match_prefix(req.all_token_ids) if req.reads_prefix_cache else []
             computed = len(prefix) * self.kv_cache.block_size
             n = req.num_tokens - computed
             # Without chunking a prompt waits for a step with room for all of it. Only a preempted

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/v1/api.proto\x12\ttandem.v1\"\x96\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x36\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x18\n\x0bspeculative\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\t\n\x01n\x18\n \x01(\rB\x07\n\x05inputB\x0e\n\x0c_speculative\"4\n\x0fTopLogprobEntry\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.tandem.v1.TopLogprobEntry\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xbb\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\r\"\xde\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\r\n\x05index\x18\x08 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"_\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard2\xd6\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13tandem/v1/api.proto\x12\ttandem.v1\"\xc8\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x36\n\x11structured_output\x18\x0f \x01(\x0b\x32\x1b.tandem.v1.StructuredOutput\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).tandem.v1.SamplingOptions.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x92\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xb7\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12/\n\x10prompt_token_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x18\n\x0bspeculative\x18\x07 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\t\n\x01n\x18\n \x01(\r\x12\x1e\n\x05tools\x18\x0b \x03(\x0b\x32\x0f.tandem.v1.Tool\x12*\n\x0btool_choice\x18\x0c \x01(\x0b\x32\x15.tandem.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\r \x01(\x08H\x02\x88\x01\x01\x42\x07\n\x05inputB\x0e\n\x0c_speculativeB\x16\n\x14_parallel_tool_calls\"4\n\x0fTopLogprobEntry\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\'\n\x03top\x18\x04 \x03(\x0b\x32\x1a.tandem.v1.TopLogprobEntry\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xbb\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x0e\n\x06tpot_s\x18\x04 \x01(\x01\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x06 \x01(\t\x12\x15\n\rdecode_worker\x18\x07 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x08 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\t \x01(\r\"\xb9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12#\n\x07timings\x18\x07 \x01(\x0b\x32\x12.tandem.v1.Timings\x12\r\n\x05index\x18\x08 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.tandem.v1.ToolCall\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"_\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard2\xd6\x01\n\x06Tandem\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,41 +34,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=35
-  _globals['_SAMPLINGOPTIONS']._serialized_end=697
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=500
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=548
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=700
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=846
-  _globals['_CHOICES']._serialized_start=848
-  _globals['_CHOICES']._serialized_end=874
-  _globals['_CHATMESSAGE']._serialized_start=876
-  _globals['_CHATMESSAGE']._serialized_end=920
-  _globals['_CHATMESSAGES']._serialized_start=922
-  _globals['_CHATMESSAGES']._serialized_end=978
-  _globals['_TOKENIDS']._serialized_start=980
-  _globals['_TOKENIDS']._serialized_end=1003
-  _globals['_GENERATEREQUEST']._serialized_start=1006
-  _globals['_GENERATEREQUEST']._serialized_end=1311
-  _globals['_TOPLOGPROBENTRY']._serialized_start=1313
-  _globals['_TOPLOGPROBENTRY']._serialized_end=1365
-  _globals['_TOKENLOGPROB']._serialized_start=1367
-  _globals['_TOKENLOGPROB']._serialized_end=1471
-  _globals['_USAGE']._serialized_start=1473
-  _globals['_USAGE']._serialized_end=1530
-  _globals['_TIMINGS']._serialized_start=1533
-  _globals['_TIMINGS']._serialized_end=1720
-  _globals['_GENERATERESPONSE']._serialized_start=1723
-  _globals['_GENERATERESPONSE']._serialized_end=1945
-  _globals['_ABORTREQUEST']._serialized_start=1947
-  _globals['_ABORTREQUEST']._serialized_end=1981
-  _globals['_ABORTRESPONSE']._serialized_start=1983
-  _globals['_ABORTRESPONSE']._serialized_end=2013
-  _globals['_LISTMODELSREQUEST']._serialized_start=2015
-  _globals['_LISTMODELSREQUEST']._serialized_end=2034
-  _globals['_MODELCARD']._serialized_start=2036
-  _globals['_MODELCARD']._serialized_end=2131
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2133
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2191
-  _globals['_TANDEM']._serialized_start=2194
-  _globals['_TANDEM']._serialized_end=2408
+  _globals['_SAMPLINGOPTIONS']._serialized_end=747
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=530
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=578
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=750
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=896
+  _globals['_CHOICES']._serialized_start=898
+  _globals['_CHOICES']._serialized_end=924
+  _globals['_CHATMESSAGE']._serialized_start=926
+  _globals['_CHATMESSAGE']._serialized_end=1033
+  _globals['_TOOL']._serialized_start=1035
+  _globals['_TOOL']._serialized_end=1096
+  _globals['_TOOLCALL']._serialized_start=1098
+  _globals['_TOOLCALL']._serialized_end=1153
+  _globals['_TOOLCHOICE']._serialized_start=1155
+  _globals['_TOOLCHOICE']._serialized_end=1213
+  _globals['_CHATMESSAGES']._serialized_start=1215
+  _globals['_CHATMESSAGES']._serialized_end=1271
+  _globals['_TOKENIDS']._serialized_start=1273
+  _globals['_TOKENIDS']._serialized_end=1296
+  _globals['_GENERATEREQUEST']._serialized_start=1299
+  _globals['_GENERATEREQUEST']._serialized_end=1738
+  _globals['_TOPLOGPROBENTRY']._serialized_start=1740
+  _globals['_TOPLOGPROBENTRY']._serialized_end=1792
+  _globals['_TOKENLOGPROB']._serialized_start=1794
+  _globals['_TOKENLOGPROB']._serialized_end=1898
+  _globals['_USAGE']._serialized_start=1900
+  _globals['_USAGE']._serialized_end=1957
+  _globals['_TIMINGS']._serialized_start=1960
+  _globals['_TIMINGS']._serialized_end=2147
+  _globals['_GENERATERESPONSE']._serialized_start=2150
+  _globals['_GENERATERESPONSE']._serialized_end=2463
+  _globals['_ABORTREQUEST']._serialized_start=2465
+  _globals['_ABORTREQUEST']._serialized_end=2499
+  _globals['_ABORTRESPONSE']._serialized_start=2501
+  _globals['_ABORTRESPONSE']._serialized_end=2531
+  _globals['_LISTMODELSREQUEST']._serialized_start=2533
+  _globals['_LISTMODELSREQUEST']._serialized_end=2552
+  _globals['_MODELCARD']._serialized_start=2554
+  _globals['_MODELCARD']._serialized_end=2649
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2651
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2709
+  _globals['_TANDEM']._serialized_start=2712
+  _globals['_TANDEM']._serialized_end=2926
 # @@protoc_insertion_point(module_scope)

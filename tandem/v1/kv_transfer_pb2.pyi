@@ -110,12 +110,14 @@ class LayerChunk(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprobs")
+    __slots__ = ("token_id", "logprobs", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprobs: _api_pb2.TokenLogprob
-    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_api_pb2.TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_api_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_api_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class NamedTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")

@@ -26,7 +26,7 @@ from tandem.v1 import api_pb2 as tandem_dot_v1_dot_api__pb2
 from tandem.v1 import kv_transfer_pb2 as tandem_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\x1a\x1btandem/v1/kv_transfer.proto\"\xc9\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x0bspeculative\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\routput_offset\x18\x06 \x01(\r\x12\t\n\x01n\x18\x07 \x01(\rB\x0e\n\x0c_speculative\"Q\n\rDecodeRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12\x15\n\rlocal_prefill\x18\x02 \x01(\x08\"\xb3\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\r\n\x05index\x18\x07 \x01(\r\"h\n\x0e\x44\x65\x63odeResponse\x12%\n\x06ticket\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVTicketH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x42\x06\n\x04part\"`\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12#\n\x06ticket\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVTicket\"s\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\ndata_plane\x18\x02 \x01(\t\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x15\n\x13WorkerAbortResponse\"\x0e\n\x0cStatsRequest\"\x8f\x01\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x32\xd3\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\x1a\x1btandem/v1/kv_transfer.proto\"\xc9\x01\n\rWorkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.tandem.v1.SamplingOptions\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x18\n\x0bspeculative\x18\x05 \x01(\x08H\x00\x88\x01\x01\x12\x15\n\routput_offset\x18\x06 \x01(\r\x12\t\n\x01n\x18\x07 \x01(\rB\x0e\n\x0c_speculative\"Q\n\rDecodeRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12\x15\n\rlocal_prefill\x18\x02 \x01(\x08\"\xe5\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12)\n\x08logprobs\x18\x02 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\r\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\r\n\x05index\x18\x07 \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\"h\n\x0e\x44\x65\x63odeResponse\x12%\n\x06ticket\x18\x01 \x01(\x0b\x32\x13.tandem.v1.KVTicketH\x00\x12\'\n\x06tokens\x18\x02 \x01(\x0b\x32\x15.tandem.v1.TokenChunkH\x00\x42\x06\n\x04part\"`\n\x0ePrefillRequest\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.tandem.v1.WorkerRequest\x12#\n\x06ticket\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVTicket\"s\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x12\n\ndata_plane\x18\x02 \x01(\t\x12\x10\n\x08kv_bytes\x18\x03 \x01(\x04\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x15\n\x13WorkerAbortResponse\"\x0e\n\x0cStatsRequest\"\x8f\x01\n\x0bWorkerStats\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x0f\n\x07waiting\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x32\xd3\x01\n\rPrefillWorker\x12@\n\x07Prefill\x12\x19.tandem.v1.PrefillRequest\x1a\x1a.tandem.v1.PrefillResponse\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStats2\xd1\x01\n\x0c\x44\x65\x63odeWorker\x12?\n\x06\x44\x65\x63ode\x12\x18.tandem.v1.DecodeRequest\x1a\x19.tandem.v1.DecodeResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.tandem.v1.WorkerAbortRequest\x1a\x1e.tandem.v1.WorkerAbortResponse\x12\x38\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x16.tandem.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_start=291
   _globals['_DECODEREQUEST']._serialized_end=372
   _globals['_TOKENCHUNK']._serialized_start=375
-  _globals['_TOKENCHUNK']._serialized_end=554
-  _globals['_DECODERESPONSE']._serialized_start=556
-  _globals['_DECODERESPONSE']._serialized_end=660
-  _globals['_PREFILLREQUEST']._serialized_start=662
-  _globals['_PREFILLREQUEST']._serialized_end=758
-  _globals['_PREFILLRESPONSE']._serialized_start=760
-  _globals['_PREFILLRESPONSE']._serialized_end=875
-  _globals['_WORKERABORTREQUEST']._serialized_start=877
-  _globals['_WORKERABORTREQUEST']._serialized_end=917
-  _globals['_WORKERABORTRESPONSE']._serialized_start=919
-  _globals['_WORKERABORTRESPONSE']._serialized_end=940
-  _globals['_STATSREQUEST']._serialized_start=942
-  _globals['_STATSREQUEST']._serialized_end=956
-  _globals['_WORKERSTATS']._serialized_start=959
-  _globals['_WORKERSTATS']._serialized_end=1102
-  _globals['_PREFILLWORKER']._serialized_start=1105
-  _globals['_PREFILLWORKER']._serialized_end=1316
-  _globals['_DECODEWORKER']._serialized_start=1319
-  _globals['_DECODEWORKER']._serialized_end=1528
+  _globals['_TOKENCHUNK']._serialized_end=604
+  _globals['_DECODERESPONSE']._serialized_start=606
+  _globals['_DECODERESPONSE']._serialized_end=710
+  _globals['_PREFILLREQUEST']._serialized_start=712
+  _globals['_PREFILLREQUEST']._serialized_end=808
+  _globals['_PREFILLRESPONSE']._serialized_start=810
+  _globals['_PREFILLRESPONSE']._serialized_end=925
+  _globals['_WORKERABORTREQUEST']._serialized_start=927
+  _globals['_WORKERABORTREQUEST']._serialized_end=967
+  _globals['_WORKERABORTRESPONSE']._serialized_start=969
+  _globals['_WORKERABORTRESPONSE']._serialized_end=990
+  _globals['_STATSREQUEST']._serialized_start=992
+  _globals['_STATSREQUEST']._serialized_end=1006
+  _globals['_WORKERSTATS']._serialized_start=1009
+  _globals['_WORKERSTATS']._serialized_end=1152
+  _globals['_PREFILLWORKER']._serialized_start=1155
+  _globals['_PREFILLWORKER']._serialized_end=1366
+  _globals['_DECODEWORKER']._serialized_start=1369
+  _globals['_DECODEWORKER']._serialized_end=1578
 # @@protoc_insertion_point(module_scope)

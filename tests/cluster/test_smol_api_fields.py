@@ -585,6 +585,82 @@ def test_bad_tool_requests_are_400_naming_the_field(url: str) -> None:
         assert r.json()["error"]["param"] == param, (extra, r.json())
 
 
+def grpc_tool_answer(
+    smol: LocalCluster,
+    chat: list[api_pb2.ChatMessage],
+    tool_choice: api_pb2.ToolChoice | None = None,
+    sampling: api_pb2.SamplingOptions | None = None,
+) -> tuple[list[Any], str, str]:
+    """(tool calls as (name, arguments), finish reason, text) of one greedy gRPC answer."""
+    assert smol.address is not None
+    tools = [
+        api_pb2.Tool(
+            name=t["function"]["name"],
+            description=t["function"]["description"],
+            parameters=json.dumps(t["function"]["parameters"])
+            if "parameters" in t["function"]
+            else "",
+        )
+        for t in TOOLS
+    ]
+    request = api_pb2.GenerateRequest(
+        chat=api_pb2.ChatMessages(messages=chat),
+        sampling=sampling or api_pb2.SamplingOptions(max_tokens=60, temperature=0.0),
+        tools=tools,
+        tool_choice=tool_choice,
+    )
+    with grpc.insecure_channel(smol.address.grpc_target) as channel:
+        messages = list(api_pb2_grpc.TandemStub(channel).Generate(request, timeout=120))
+    calls = [(c.name, c.arguments) for m in messages for c in m.tool_calls]
+    assert all(c.id.startswith("call_") for m in messages for c in m.tool_calls)
+    return calls, messages[-1].finish_reason, "".join(m.text for m in messages)
+
+
+def test_grpc_tool_calls_are_the_http_api_s(smol: LocalCluster, client: openai.OpenAI) -> None:
+    """Over gRPC, through the same path as HTTP's (`router/tools.py`): required and named
+    choices, an auto answer with content before its call, a round trip with a tool result,
+    and bad tools are INVALID_ARGUMENT naming the field."""
+    weather = [api_pb2.ChatMessage(role="user", content=WEATHER_CHAT[0]["content"])]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, http_choice in [
+        (api_pb2.ToolChoice(mode="required"), "required"),
+        (api_pb2.ToolChoice(function="get_weather"), named),
+    ]:
+        calls, finish, text = grpc_tool_answer(smol, weather, choice)
+        http = tool_calls_of(client, False, tool_choice=http_choice, temperature=0)
+        assert calls == [(c["function"]["name"], c["function"]["arguments"]) for c in http[0]]
+        assert (finish, text) == (http[1], "") == ("tool_calls", "")
+    regex = r'Checking\.\n<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
+    sampling = api_pb2.SamplingOptions(
+        max_tokens=60, temperature=0.0, structured_output=api_pb2.StructuredOutput(regex=regex)
+    )
+    calls, finish, text = grpc_tool_answer(smol, weather, sampling=sampling)
+    assert (calls, finish, text.strip()) == ([("get_time", "{}")], "tool_calls", "Checking.")
+    call = api_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')
+    history = [
+        *weather,
+        api_pb2.ChatMessage(role="assistant", tool_calls=[call]),
+        api_pb2.ChatMessage(role="tool", tool_call_id="call_1", content="18 C and sunny"),
+    ]
+    _, finish, text = grpc_tool_answer(smol, history, api_pb2.ToolChoice(mode="none"))
+    assert finish in ("stop", "length") and text
+    hi = api_pb2.ChatMessages(messages=[api_pb2.ChatMessage(role="user", content="Hi")])
+    for bad, name in [
+        (api_pb2.GenerateRequest(chat=hi, tools=[api_pb2.Tool(name="f", parameters="{")]), "tools"),
+        (
+            api_pb2.GenerateRequest(chat=hi, tool_choice=api_pb2.ToolChoice(mode="some")),
+            "tool_choice",
+        ),
+        (api_pb2.GenerateRequest(prompt="Hi", tools=[api_pb2.Tool(name="f")]), "tools"),
+    ]:
+        assert smol.address is not None
+        channel = grpc.insecure_channel(smol.address.grpc_target)
+        with channel, pytest.raises(grpc.RpcError) as raised:
+            list(api_pb2_grpc.TandemStub(channel).Generate(bad, timeout=30))
+        e: Any = raised.value
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and name in (e.details() or ""), bad
+
+
 # -- completions: echo, lists of prompts, suffix ---------------------------------------------
 
 
@@ -614,7 +690,6 @@ def test_echo_and_a_list_of_prompts(url: str, client: openai.OpenAI) -> None:
 
     base = {"model": SMOL, "prompt": prompts[0], "max_tokens": 2}
     for extra, param in [
-        ({"echo": True, "logprobs": 1}, "echo"),
         ({"suffix": " and that is all."}, "suffix"),
         ({"prompt": []}, "prompt"),
         ({"max_tokens": 0}, "max_tokens"),  # without echo
@@ -622,3 +697,69 @@ def test_echo_and_a_list_of_prompts(url: str, client: openai.OpenAI) -> None:
         r = http_post(f"{url}/v1/completions", {**base, **extra})
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param, (extra, r.json())
+
+
+# -- prompt logprobs: vLLM's prompt_logprobs, and echo with logprobs -------------------------
+
+LONG_PROMPT = (
+    "The river rose in the spring, and the village moved its boats to the high field behind the "
+    "mill, where they waited until the water went down again. Then the fishermen carried them "
+    "back to the bank, one by one, and the market opened on the square."
+)  # longer than local_prefill_tokens: prefilled on the prefill worker
+
+
+def test_prompt_logprobs_equal_the_offline_engine(
+    url: str, client: openai.OpenAI, smol: LocalCluster, smol_llm: LLM
+) -> None:
+    """Computed on the prefill worker (over HTTP and gRPC, where the prompt skips the prefix
+    cache it filled the first time), each equals the offline engine's; the first token has
+    none. Echo with logprobs puts them before the output's; with max_tokens 0 it is the prompt
+    alone. Streaming with prompt_logprobs is a 400 naming it (as vLLM)."""
+    assert smol.address is not None
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    ref = [lp.logprob for lp in smol_llm.generate(LONG_PROMPT, params)[0].prompt_logprobs]
+    ids = http_post(f"{url}/tokenize", {"prompt": LONG_PROMPT}).json()["tokens"]
+    assert len(ref) == len(ids) - 1
+
+    def close(ours: list[float | None]) -> None:
+        assert ours[0] is None and len(ours) == len(ids)
+        assert ours[1:] == pytest.approx(ref, abs=1e-3)
+
+    body = {"model": SMOL, "prompt": LONG_PROMPT, "max_tokens": 2, "prompt_logprobs": 2}
+    for _ in range(2):  # the second time, the prompt's blocks are in the prefix cache
+        scores = http_post(f"{url}/v1/completions", body).json()["choices"][0]["prompt_logprobs"]
+        close([s and s[str(t)]["logprob"] for s, t in zip(scores, ids, strict=True)])
+        assert all(len(s) in (2, 3) for s in scores[1:])  # the token, and its top 2
+
+    echoed = client.completions.create(
+        model=SMOL, prompt=LONG_PROMPT, max_tokens=0, echo=True, logprobs=1
+    )
+    assert echoed.choices[0].text == LONG_PROMPT and echoed.choices[0].logprobs is not None
+    assert echoed.usage is not None and echoed.usage.completion_tokens == 0
+    close(echoed.choices[0].logprobs.token_logprobs or [])
+    stream = client.completions.create(
+        model=SMOL, prompt=LONG_PROMPT, max_tokens=2, echo=True, logprobs=1, stream=True
+    )
+    streamed = [
+        lp
+        for c in stream
+        if c.choices[0].logprobs
+        for lp in c.choices[0].logprobs.token_logprobs or []
+    ]
+    close(streamed[: len(ids)])
+    assert len(streamed) == len(ids) + 2
+
+    with grpc.insecure_channel(smol.address.grpc_target) as channel:
+        request = generate_request(LONG_PROMPT, max_tokens=2, temperature=0.0, prompt_logprobs=0)
+        messages = list(api_pb2_grpc.TandemStub(channel).Generate(request, timeout=60))
+    close([None] + [lp.logprob for lp in messages[0].prompt_logprobs])
+    assert messages[-1].timings.prefill_worker == workers(smol, "prefill")[0].worker_id
+
+    chat = http_post(
+        f"{url}/v1/chat/completions",
+        {"model": SMOL, "messages": CHAT, "max_tokens": 1, "prompt_logprobs": 0},
+    ).json()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    r = http_post(f"{url}/v1/completions", {**body, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"

@@ -130,3 +130,30 @@ def test_prefix_cache_hit(tiny_model) -> None:
     prompts = [[*shared, 5, 6, 7], shared[:10]]
     check(hf, prompts, run(engine, prompts, 3), 3)
     assert engine.kv_cache.stats.prefix_hits - hits_before >= 20 + 8
+
+
+def test_prompt_logprobs(tiny_model) -> None:
+    """Each prompt token's logprob (and rank, and top-3) is transformers' log-softmax of the row
+    before it, across prefill chunks, for a prompt whose prefix is cached too (not read)."""
+    path, hf = tiny_model
+    engine = make_engine(path, max_num_batched_tokens=8)
+    prompt = prompts_of([19], hf.config.vocab_size)[0]
+    engine.add_request("cached", prompt, SamplingParams(max_tokens=1))
+    while engine.has_unfinished():
+        engine.step()  # the prompt's full blocks are cached now
+    hits_before = engine.kv_cache.stats.prefix_hits
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3)
+    req = engine.add_request("scored", prompt, params)
+    deltas = [d for _ in range(10) if engine.has_unfinished() for d in engine.step()]
+    assert engine.kv_cache.stats.prefix_hits == hits_before
+    scored = [lp for d in deltas for lp in d.prompt_logprobs]
+    assert scored == req.prompt_logprobs and len(scored) == len(prompt) - 1
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)  # [len - 1, V]
+    ours = torch.tensor([lp.logprob for lp in scored])
+    torch.testing.assert_close(ours, ref.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0])
+    top = ref.topk(3)
+    assert [lp.top_token_ids for lp in scored] == [tuple(t) for t in top.indices.tolist()]
+    assert [lp.token_id for lp in scored] == prompt[1:]
+    ranks = (ref >= ref.gather(1, torch.tensor(prompt[1:])[:, None])).sum(-1)
+    assert [lp.rank for lp in scored] == ranks.tolist()

@@ -129,6 +129,27 @@ def test_logits_equal_single_device(engines: tuple[EngineCore, EngineCore]) -> N
     parallel.kv_cache.check_integrity()
 
 
+def test_prompt_logprobs_equal_single_device(engines: tuple[EngineCore, EngineCore]) -> None:
+    """A prompt's scored rows ride in the step's one logits gather across the ranks."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2, ignore_eos=True)
+    prompt = torch.randint(0, 250, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    scores = []
+    for engine in engines:
+        req = engine.add_request("scored", prompt, params)
+        while engine.has_unfinished():  # three prefill chunks of at most 8 tokens
+            engine.step()
+        scores.append(req.prompt_logprobs)
+    single, parallel = scores
+    assert [lp.token_id for lp in parallel] == [lp.token_id for lp in single] == prompt[1:]
+    atol = ATOL if engines[1].config.model.quantization is None else QUANT_ATOL
+    torch.testing.assert_close(
+        torch.tensor([lp.logprob for lp in parallel]),
+        torch.tensor([lp.logprob for lp in single]),
+        atol=atol,
+        rtol=0,
+    )
+
+
 @pytest.fixture(scope="module")
 def smollm2_engines(smollm2_path: Path) -> Iterator[tuple[EngineCore, EngineCore]]:
     """SmolLM2-135M (9 heads, 3 KV heads) at TP 1 and TP 3, both with n-gram speculation."""

@@ -134,7 +134,7 @@ def test_a_failed_transfer_leaves_its_neighbours_on_the_pair_alone() -> None:
 @pytest.mark.parametrize(
     "logprobs", [None, TokenLogprobs(7, -0.25, 2, (3, 7), (-0.125, -0.25))], ids=["none", "top2"]
 )
-def test_the_trailer_carries_the_first_token_and_its_logprobs(
+def test_the_trailer_carries_the_first_token_and_its_logprobs_and_the_prompt_s(
     logprobs: TokenLogprobs | None,
 ) -> None:
     shape = (2, 4, 4, 2, 8)  # [2, num_blocks, block_size, heads, dim]
@@ -144,7 +144,8 @@ def test_the_trailer_carries_the_first_token_and_its_logprobs(
         transfer = sender.begin(receiver.expect("r", [0], 4), [torch.randn(shape)])
         transfer.set_source([1])
         transfer.all_layers_ready()
-        transfer.finish(7, logprobs)
+        prompt = [TokenLogprobs(t, -1.5, 3, (), ()) for t in (5, 6, 9)]
+        transfer.finish(7, logprobs, prompt_logprobs=prompt)
         assert transfer.wait(5.0) == TransferState.SUCCESS, transfer.status.error
         arrivals: list[Arrival] = []
 
@@ -155,6 +156,7 @@ def test_the_trailer_carries_the_first_token_and_its_logprobs(
         wait_until(arrived)
         (arrival,) = arrivals
         assert (arrival.first_token, arrival.logprobs) == (7, logprobs)
+        assert arrival.prompt_logprobs == prompt  # the prompt's, with the first token
     finally:
         sender.close()
         receiver.close()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tandem.bench.serve_config import ServeConfig
 from tandem.bench.serving_metrics import Timeline
 from tandem.bench.workloads import (
     BenchRequest,
@@ -338,3 +339,22 @@ def test_json_schema_pairs_a_schema_request_with_the_same_prompt_free() -> None:
         assert schema["properties"]["category"]["enum"][0] in with_schema.messages[0][1]
         schemas.add(with_schema.json_schema)
     assert len(schemas) == 3, "every request has its own schema"
+
+
+def test_json_schema_forced_adds_the_same_schema_request_without_drafts() -> None:
+    pool = build_workload(WorkloadConfig("json-schema:forced", num_requests=6, output_len="90"))
+    assert [r.tag for r in pool[:3]] == ["schema", "schema-nodrafts", "free"]
+    assert [r.tag for r in pool[3:]] == ["schema-nodrafts", "free", "schema"]
+    for triple in (pool[:3], pool[3:]):
+        by_tag = {r.tag: r for r in triple}
+        assert by_tag["schema"].json_schema == by_tag["schema-nodrafts"].json_schema
+        assert (by_tag["schema"].speculative, by_tag["schema-nodrafts"].speculative) == (
+            None,
+            False,
+        )
+        assert len({r.messages for r in triple}) == 1 and not by_tag["free"].json_schema
+        StructuredOutput.json_schema(json.loads(by_tag["schema"].json_schema), "b").validate()
+    with pytest.raises(ValueError, match="needs --grpc"):
+        ServeConfig(workload=WorkloadConfig("json-schema:forced"))
+    with pytest.raises(WorkloadError, match="forced"):
+        WorkloadConfig("json-schema:other")

@@ -179,16 +179,26 @@ def test_the_router_side_imports_no_torch() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_forced_tokens_are_free_drafts(tiny_llama_path: Path, tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("spec", [NGRAM, {"method": "grammar"}], ids=str)
+def test_forced_tokens_are_free_drafts(
+    tiny_llama_path: Path, tokenizer: Tokenizer, spec: dict
+) -> None:
+    """With n-gram lookup or with no proposer at all (`grammar`: forced tokens are the only
+    drafts, free text gets none)."""
     pattern = r"name=[ab]{2,4};kind=(cat|dog);end"
     params = SamplingParams(max_tokens=40, temperature=0.0, structured_output=regex(pattern))
     prompts = [ids(tokenizer, "xyz"), ids(tokenizer, "qrs")]  # nothing for n-gram lookup
     plain = run(make(tiny_llama_path), prompts, params)
-    spec_engine = make(tiny_llama_path, NGRAM)
+    spec_engine = make(tiny_llama_path, spec)
     assert run(spec_engine, prompts, params) == plain
     stats = spec_engine.scheduler.spec_stats
     # "name=", ";kind=", "at"/"og", ";end" are forced: most of them verified as drafts.
     assert stats.num_accepted_tokens >= 10, stats
+    if spec["method"] == "grammar":
+        assert stats.num_draft_tokens == stats.num_accepted_tokens  # forced: always kept
+        drafted = stats.num_draft_tokens
+        run(spec_engine, prompts, SamplingParams(max_tokens=8, temperature=0.0))
+        assert stats.num_draft_tokens == drafted
     for out in plain:
         assert re.fullmatch(pattern, tokenizer.decode(out[:-1])), out
 

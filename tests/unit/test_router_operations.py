@@ -29,6 +29,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.router_server import RouterAddress, RouterServer
+from router.tools import hermes_messages
 from tandem.cli.cluster_cli import router_config
 from tandem.config import RouterConfig
 from tandem.registry import Registry, WorkerRecord
@@ -203,6 +204,15 @@ def test_tokenize_and_detokenize_round_trip(keyed: RouterAddress, smollm2_path: 
     parts = [{"role": "user", "content": [{"type": "text", "text": text}]}]
     assert post(keyed, "/tokenize", {"messages": parts}).json() == opened  # as chat reads them
 
+    # Tools reach the chat template as a chat request's do (SmolLM2's renders none: Hermes's way)
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time"}}]
+    offered = post(keyed, "/tokenize", {"messages": chat, "tools": tools}).json()["tokens"]
+    function = {**tools[0]["function"], "parameters": {"type": "object", "properties": {}}}
+    listed = hermes_messages(chat, [{"type": "function", "function": function}])
+    rendered = tokenizer.apply_chat_template(listed, add_generation_prompt=True)
+    assert offered == tokenizer.encode(rendered, add_special_tokens=False)
+    assert "get_time" in tokenizer.decode(offered)
+
 
 def test_version_and_the_context_length(keyed: RouterAddress) -> None:
     r = httpx.get(keyed.http_url + "/version")
@@ -227,6 +237,8 @@ def test_version_and_the_context_length(keyed: RouterAddress) -> None:
         ("/tokenize", {}, 400, "prompt"),
         ("/tokenize", {"prompt": "Hi", "return_token_strs": True}, 400, "return_token_strs"),
         ("/tokenize", {"messages": []}, 400, "messages"),
+        ("/tokenize", {"prompt": "Hi", "tools": [{"type": "function"}]}, 400, "tools"),
+        ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
         ("/tokenize", {"prompt": "Hi", "model": "nope"}, 404, "model"),
         ("/detokenize", {"tokens": [1, -1]}, 400, "tokens"),
         ("/detokenize", {"tokens": [1 << 40]}, 400, "tokens"),

@@ -1,5 +1,5 @@
 """The engine's proposer for a `SpecConfig`: n-gram lookup, a draft model, a layer-skip
-self-draft, Medusa heads or an EAGLE head."""
+self-draft, Medusa heads, an EAGLE head, or none but a grammar's forced tokens."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tandem.engine.spec.draft_vocab import draft_lm_head
 from tandem.engine.spec.eagle import EagleProposer, load_eagle
 from tandem.engine.spec.medusa import MedusaProposer, load_medusa
 from tandem.engine.spec.ngram import NgramProposer
-from tandem.engine.spec.proposer import Proposer
+from tandem.engine.spec.proposer import GrammarOnlyProposer, Proposer
 
 # Methods whose proposer hands a prompt's state from the prefill worker that computed it to the
 # decode worker (`Proposer.handover_state`): prefill workers run them too.
@@ -36,6 +36,8 @@ def make_proposer(
     """`runner` is the engine's runner; model-based proposers need a real `ModelRunner`."""
     if spec.method == "ngram":
         return NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+    if spec.method == "grammar":
+        return GrammarOnlyProposer()
     if not isinstance(runner, ModelRunner):
         raise ValueError(f"speculative method {spec.method!r} needs a real engine, not a sim one")
     if spec.method == "draft":

@@ -84,3 +84,13 @@ class Proposer(ABC):
     def adopt_state(self, request_id: str, state: dict[str, Tensor]) -> None:  # noqa: B027
         """A request's prompt KV arrived from a prefill worker with that worker's
         `handover_state` (maybe {} or another proposer's: then ignore it)."""
+
+
+class GrammarOnlyProposer(Proposer):
+    """Proposes nothing: the drafts a structured output's grammar forces are the only ones
+    (`GrammarMatcher.drafts`), and free text is not speculated. The `grammar` method."""
+
+    def propose(
+        self, batch: list[tuple[Request, int]], hidden: StepHidden | None = None
+    ) -> list[Draft]:
+        return [Draft([]) for _ in batch]

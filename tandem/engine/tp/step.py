@@ -34,7 +34,7 @@ class StepMessage:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     seqs: list[SeqSpec]  # in token order
-    sample_indices: torch.Tensor  # [num_rows] int64: the rows whose logits rank 0 samples
+    sample_indices: torch.Tensor  # [num_rows] int64: the rows whose logits rank 0 samples/scores
     block_copies: list[tuple[int, int]]  # (src, dst) blocks whose KV is copied first
 
     def send(self, group: TPGroup) -> None:
