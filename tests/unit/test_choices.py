@@ -83,6 +83,16 @@ def test_offline_stream_of_choices(tiny_llama_path: Path) -> None:
     assert_all_free(llm.engine)
 
 
+def test_every_choice_carries_the_prompts_logprobs(tiny_llama_path: Path) -> None:
+    """The prompt is scored once, by choice 0's prefill; each choice's output carries it."""
+    llm = LLM(str(tiny_llama_path), num_blocks=64, block_size=BLOCK_SIZE)
+    one = llm.generate(PROMPT, replace(SEEDED, prompt_logprobs=2))[0].prompt_logprobs
+    outs = llm.generate(PROMPT, replace(SEEDED, n=3, prompt_logprobs=2))
+    assert len(one) == len(PROMPT) - 1
+    assert [o.prompt_logprobs for o in outs] == [one] * 3
+    assert_all_free(llm.engine)
+
+
 def test_choices_share_the_prompts_full_blocks_and_copy_the_partial_one(
     tiny_llama_path: Path,
 ) -> None:
