@@ -117,9 +117,9 @@ class QuantizedLinear(nn.Module):
         summed)."""
         if self.tp is not None:
             if name == "quant_gemm":
-                kernel = self.tile_kernel(float32_out=True)
-                assert kernel is not None
-                return lambda x: kernel(x.to(KERNEL_DTYPE))
+                sums = self.tile_kernel(float32_out=True)
+                assert sums is not None
+                return lambda x: sums(x.to(KERNEL_DTYPE))
             weights = self.model_dtype if name == "dequant" else torch.float32  # as rounded here
             return lambda x: F.linear(x.float(), self.dequantize(weights).float())
         if name in ("quant_gemm", "torch_packed"):
