@@ -1,12 +1,18 @@
 """The child processes of `tandem bench transfer`: each builds one side (a channel's receiver or
 sender, the decode or prefill worker) and runs the methods its parent sends, one call at a time
-over a pipe; the parent's `Child` handle puts a deadline on each call."""
+over a pipe; the parent's `Child` handle puts a deadline on each call.
+
+The children are not daemonic: a worker of several tensor-parallel ranks spawns its ranks, which a
+daemonic process may not. So the parent ends each child itself, `Child` being a context manager
+whose exit closes the side and joins the process (terminating it if it does not exit in time),
+whatever failed; a child whose parent dies sees its pipe close and exits."""
 
 from __future__ import annotations
 
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -71,11 +77,22 @@ class Child:
             target=_child_main,
             args=(child_conn, side, config, device, args),
             name=name,
-            daemon=True,
+            daemon=False,  # it may spawn tensor-parallel ranks; `close` ends it
         )
         with passive_omp():
             self.process.start()
         child_conn.close()
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     def send(self, method: str, *args: Any) -> None:
         self.conn.send((method, args))
@@ -97,6 +114,7 @@ class Child:
         return self.result(timeout_s)
 
     def close(self) -> None:
+        """Ask the side to close, then join the process; terminate it if it does not exit."""
         try:
             self.conn.send(("close", ()))
             if self.conn.poll(30):

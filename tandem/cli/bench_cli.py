@@ -135,6 +135,14 @@ def _bench_tensor_parallel(
     )
 
 
+def tp_pair(text: str) -> tuple[int, int]:
+    """ "3:1" -> (3, 1)."""
+    prefill, sep, decode = text.partition(":")
+    if not sep:
+        raise ValueError(f"exposed_tp: {text!r} is not PREFILL:DECODE")
+    return int(prefill), int(decode)
+
+
 @bench_app.command("transfer")
 def bench_transfer(
     model: ModelOpt = DEFAULT_MODEL,
@@ -157,6 +165,13 @@ def bench_transfer(
         typer.Option(help="Comma-separated prompt lengths of the exposed-time part; '' skips it."),
     ] = "2048",
     exposed_reps: int = 3,
+    exposed_tp: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated PREFILL:DECODE tensor-parallel sizes of the exposed-time part's "
+            "workers."
+        ),
+    ] = "1:1,3:1,1:3",
     decode_tokens: Annotated[
         int, typer.Option(help="Tokens decoded after admission; their TPOT is the decode step.")
     ] = 16,
@@ -185,6 +200,7 @@ def bench_transfer(
             exposed_channels=names(exposed_channels),
             exposed_tokens=tuple(int(n) for n in names(exposed_tokens)),
             exposed_reps=exposed_reps,
+            exposed_tp=tuple(tp_pair(pair) for pair in names(exposed_tp)),
             decode_tokens=decode_tokens,
             threads=threads,
             seed=seed,
