@@ -186,30 +186,28 @@ def _bench_channels(
     samples: list[dict[str, Any]] = []
     pair_setup_s: float | None = None
     with contextlib.ExitStack() as children:
-        rx = children.enter_context(
-            Child(
-                ctx,
-                "kv-receiver",
-                "channel_receiver",
-                config,
-                devices.receiver,
-                layout,
-                num_blocks,
-                shm,
-            )
+        rx = _start(
+            children,
+            ctx,
+            "kv-receiver",
+            "channel_receiver",
+            config,
+            devices.receiver,
+            layout,
+            num_blocks,
+            shm,
         )
-        tx = children.enter_context(
-            Child(
-                ctx,
-                "kv-sender",
-                "channel_sender",
-                config,
-                devices.sender,
-                layout,
-                num_blocks,
-                devices.channels,
-                devices.receiver,
-            )
+        tx = _start(
+            children,
+            ctx,
+            "kv-sender",
+            "channel_sender",
+            config,
+            devices.sender,
+            layout,
+            num_blocks,
+            devices.channels,
+            devices.receiver,
         )
         rx_info = rx.result(STARTUP_TIMEOUT_S)
         tx.result(STARTUP_TIMEOUT_S)
@@ -244,6 +242,13 @@ def _bench_channels(
                 for what in (*devices.channels, *references):
                     measure(what, n, rep)
     return summarize_throughput(config, devices, samples, pair_setup_s)
+
+
+def _start(
+    children: contextlib.ExitStack, ctx: SpawnContext, name: str, side: str, *args: Any
+) -> Child:
+    """A side in its child process (`Child`), closed when `children` closes."""
+    return children.enter_context(contextlib.closing(Child(ctx, name, side, *args)))
 
 
 def _transfer(rx: Child, tx: Child, channel: str, n: int, key: str) -> dict[str, Any]:
@@ -293,11 +298,11 @@ def _exposed_samples(
     progress.update(task, description=f"exposed {sizes}: loading the model in both workers")
     samples: list[dict[str, Any]] = []
     with contextlib.ExitStack() as children:
-        d = children.enter_context(
-            Child(ctx, "decode-worker", "decode", config, devices.receiver, num_blocks, tp[1])
+        d = _start(
+            children, ctx, "decode-worker", "decode", config, devices.receiver, num_blocks, tp[1]
         )
-        p = children.enter_context(
-            Child(ctx, "prefill-worker", "prefill", config, devices.sender, num_blocks, tp[0])
+        p = _start(
+            children, ctx, "prefill-worker", "prefill", config, devices.sender, num_blocks, tp[0]
         )
         d.result(STARTUP_TIMEOUT_S)
         p.result(STARTUP_TIMEOUT_S)

@@ -3,16 +3,15 @@ sender, the decode or prefill worker) and runs the methods its parent sends, one
 over a pipe; the parent's `Child` handle puts a deadline on each call.
 
 The children are not daemonic: a worker of several tensor-parallel ranks spawns its ranks, which a
-daemonic process may not. So the parent ends each child itself, `Child` being a context manager
-whose exit closes the side and joins the process (terminating it if it does not exit in time),
-whatever failed; a child whose parent dies sees its pipe close and exits."""
+daemonic process may not. So the parent closes each child whatever fails (`transfer.py` holds them
+in an exit stack): `Child.close` closes the side and joins the process, terminating it if it does
+not exit in time; a child whose parent dies sees its pipe close and exits."""
 
 from __future__ import annotations
 
 import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -82,17 +81,6 @@ class Child:
         with passive_omp():
             self.process.start()
         child_conn.close()
-
-    def __enter__(self) -> Child:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def send(self, method: str, *args: Any) -> None:
         self.conn.send((method, args))
