@@ -1,8 +1,9 @@
-"""`tandem bench tp`: decode speed and the collectives' share of a step per tensor-parallel size.
+"""`tandem bench engine --tp 1,3`: decode speed and the collectives' share of a step per
+tensor-parallel size.
 
 Method
 ------
-Per size N (`--tp 1,3`): one engine of N ranks (`tensor_parallel_size=N`, each rank
+Per dtype and size N (`--tp 1,3`): one engine of N ranks (`tensor_parallel_size=N`, each rank
 `threads // N` torch threads, at least one), one warm-up request, then `rounds` rounds, each a
 batch-1 greedy request of a fixed prompt decoding `new_tokens` tokens (EOS ignored). Measured
 from the step after prefill to the last token: decode tok/s (tokens / wall time), and rank 0's
@@ -10,7 +11,8 @@ time inside collectives (`TPGroup.wait_seconds`: the broadcasts of the step mess
 all-reduces, the gather of the logits), as a share of that wall time. Rank 0 waits there also for
 the other ranks' compute, so on a machine with fewer cores than ranks the share counts their
 compute too: a CPU run measures the overhead of the collectives, not a speedup (two cores cannot
-run three ranks at once). Figures: median over rounds, min-max beside.
+run three ranks at once). Figures: median over rounds, min-max beside. With `quantization` the
+ranks hold their shards of the int8 / int4 model (quantized whole, then split).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ PROMPT = "Explain in a few sentences how a paged KV cache works."
 class TPBenchConfig:
     model: str
     sizes: tuple[int, ...] = (1, 3)
-    dtype: str = "float32"
+    dtypes: tuple[str, ...] = ("float32",)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"  # "cuda": rank r on GPU r (NCCL)
     threads: int = 2
     new_tokens: int = 64
@@ -51,6 +55,8 @@ class TPBenchConfig:
     def __post_init__(self) -> None:
         if not self.sizes or min(self.sizes) < 1:
             raise ValueError(f"tp sizes must be >= 1, got {self.sizes}")
+        if not self.dtypes:
+            raise ValueError("dtypes is empty")
         if self.new_tokens < 2 or self.rounds < 1 or self.threads < 1:
             raise ValueError("new_tokens must be >= 2, rounds and threads >= 1")
 
@@ -60,10 +66,11 @@ class TPBenchConfig:
 
 def run_tp_bench(config: TPBenchConfig, json_out: str | None, console: Console) -> dict[str, Any]:
     path = hub.resolve(config.model)
-    results = {}
-    for size in config.sizes:
-        console.print(f"[dim]TP {size}: starting {size} rank(s)[/dim]")
-        results[str(size)] = _bench_size(config, path, size)
+    results: dict[str, dict[str, Any]] = {}  # dtype -> TP size -> figures
+    for dtype in config.dtypes:
+        for size in config.sizes:
+            console.print(f"[dim]{dtype} TP {size}: starting {size} rank(s)[/dim]")
+            results.setdefault(dtype, {})[str(size)] = _bench_size(config, path, dtype, size)
     report = {"config": asdict(config), "machine": machine_info(), "results": results}
     console.print(_table(config, results))
     console.print(f"[dim]{machine_line(report['machine'])}[/dim]")
@@ -72,11 +79,13 @@ def run_tp_bench(config: TPBenchConfig, json_out: str | None, console: Console) 
     return report
 
 
-def _bench_size(config: TPBenchConfig, path: Path, size: int) -> dict[str, Any]:
+def _bench_size(config: TPBenchConfig, path: Path, dtype: str, size: int) -> dict[str, Any]:
     engine = EngineCore(
         EngineConfig.create(
             str(path),
-            dtype=config.dtype,
+            dtype=dtype,
+            quantization=config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
             device=config.device,
             tensor_parallel_size=size,
             num_threads=max(1, config.threads // size),
@@ -117,27 +126,34 @@ def _decode(
 
 
 def _table(config: TPBenchConfig, results: dict[str, Any]) -> Table:
+    weights = f", {config.quantization} weights" if config.quantization else ""
     table = Table(
-        title=f"{config.model} {config.dtype}, batch 1, {config.new_tokens} tokens, "
+        title=f"{config.model}{weights}, batch 1, {config.new_tokens} tokens, "
         f"{config.threads} threads shared by the ranks",
+        caption="With fewer cores than ranks this is the overhead of tensor parallelism, "
+        "not a speedup.",
         title_justify="left",
         box=box.SIMPLE_HEAD,
     )
+    table.add_column("dtype")
     table.add_column("TP", justify="right")
     table.add_column("decode tok/s", justify="right")
     table.add_column("in collectives (rank 0)", justify="right")
-    for size, res in results.items():
-        share = res["collective_share"]
-        table.add_row(size, fmt_stats(res["tok_s"]), f"{share['median']:.0%}")
+    for dtype, sizes in results.items():
+        for size, res in sizes.items():
+            share = res["collective_share"]
+            table.add_row(dtype, size, fmt_stats(res["tok_s"]), f"{share['median']:.0%}")
     return table
 
 
 def write_chart(report: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for i, (size, res) in enumerate(report["results"].items()):
-        median_bar(ax, i, res["tok_s"], 0.6, label=f"TP {size}")
-    ax.set_xticks(range(len(report["results"])), [f"TP {s}" for s in report["results"]])
+    results = report["results"].items()
+    runs = [(f"{d} TP {n}", res) for d, sizes in results for n, res in sizes.items()]
+    for i, (label, res) in enumerate(runs):
+        median_bar(ax, i, res["tok_s"], 0.6, label=label)
+    ax.set_xticks(range(len(runs)), [label for label, _ in runs])
     ax.set_ylabel("decode tok/s (batch 1)")
     config = report["config"]
-    save_chart(fig, f"{config['model']} {config['dtype']}: {config['threads']} threads", path)
+    save_chart(fig, f"{config['model']}: {config['threads']} threads", path)

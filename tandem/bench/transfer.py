@@ -37,7 +37,11 @@ Exposed transfer time. The real workers with the real model in two processes: a 
 per channel, two `PrefillWorker`s (layer-wise streaming on and off) forced to that channel. Per
 request: the decode worker reserves blocks and issues a ticket, the prefill worker computes a
 seeded random prompt of `tokens` tokens and pushes its KV, the decode worker admits the request and
-decodes `decode_tokens` more tokens. Exposed = decode admission - the prefill's first token, both
+decodes `decode_tokens` more tokens. The workers run at each (prefill TP, decode TP) of
+`exposed_tp` in turn (default TP 1 -> 1, 3 -> 1 and 1 -> 3: the prefill side's ranks' heads
+assembled into one decode cache, or one cache's heads split over three decode ranks; a TP
+worker's ranks share the side's `threads`; a decode worker of several ranks has no shm plane).
+Exposed = decode admission - the prefill's first token, both
 wall clocks of one host (`DecodeWorker.transfer_metrics.exposed_s`). The decode step it is compared
 with is the same request's TPOT at batch 1 (context = the prompt), stamped as its chunks leave the
 decode worker. Prefill = submit to first token on the prefill worker's clock. Streaming on and off
@@ -53,6 +57,7 @@ machine, every sample and the summaries, and `PATH.png` beside it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -76,12 +81,14 @@ from tandem.bench.transfer_config import (
     STARTUP_TIMEOUT_S,
     Devices,
     TransferBenchConfig,
+    exposed_channels_of,
     plan_devices,
     reference_of,
 )
 from tandem.bench.transfer_report import exposed_table, throughput_table, write_chart
 from tandem.bench.transfer_stats import check_targets, summarize_exposed, summarize_throughput
 from tandem.bench.transfer_workers import prompt_ids
+from tandem.engine.tp.shard import check_tensor_parallel
 from tandem.model_config import load_config
 from tandem.progress import progress_bar
 
@@ -117,9 +124,18 @@ def run_transfer_bench(
     }
     for channel, why in devices.skipped.items():
         console.print(f"[yellow]skipping {channel}:[/yellow] {why}")
+    try:  # a split the model cannot take, before any process starts
+        for size in {n for tp in devices.exposed_tp for n in tp}:
+            check_tensor_parallel(cfg, size)
+    except ValueError as e:
+        raise BenchError(f"exposed_tp {list(devices.exposed_tp)}: {e}") from None
     ctx = mp.get_context("spawn")
     references = sorted({reference_of(c, device_type) for c in devices.channels})
-    exposed = devices.exposed_channels if config.exposed_tokens else ()
+    exposed = [
+        (tp, channel)
+        for tp in (devices.exposed_tp if config.exposed_tokens else ())
+        for channel in exposed_channels_of(devices, tp)
+    ]
     units = (len(devices.channels) + len(references)) * (
         1 + config.reps * len(config.prompt_tokens)
     ) + len(exposed) * 2 * (1 + config.exposed_reps * len(config.exposed_tokens))
@@ -167,23 +183,32 @@ def _bench_channels(
     num_blocks = math.ceil(longest / config.block_size)
     progress.update(task, description="throughput: starting sender and receiver")
     shm = "shm" in devices.channels
-    rx = Child(
-        ctx, "kv-receiver", "channel_receiver", config, devices.receiver, layout, num_blocks, shm
-    )
-    tx = Child(
-        ctx,
-        "kv-sender",
-        "channel_sender",
-        config,
-        devices.sender,
-        layout,
-        num_blocks,
-        devices.channels,
-        devices.receiver,
-    )
     samples: list[dict[str, Any]] = []
     pair_setup_s: float | None = None
-    try:
+    with contextlib.ExitStack() as children:
+        rx = _start(
+            children,
+            ctx,
+            "kv-receiver",
+            "channel_receiver",
+            config,
+            devices.receiver,
+            layout,
+            num_blocks,
+            shm,
+        )
+        tx = _start(
+            children,
+            ctx,
+            "kv-sender",
+            "channel_sender",
+            config,
+            devices.sender,
+            layout,
+            num_blocks,
+            devices.channels,
+            devices.receiver,
+        )
         rx_info = rx.result(STARTUP_TIMEOUT_S)
         tx.result(STARTUP_TIMEOUT_S)
         if "tcp" in references:
@@ -216,10 +241,14 @@ def _bench_channels(
             for n in config.prompt_tokens:
                 for what in (*devices.channels, *references):
                     measure(what, n, rep)
-    finally:
-        rx.close()
-        tx.close()
     return summarize_throughput(config, devices, samples, pair_setup_s)
+
+
+def _start(
+    children: contextlib.ExitStack, ctx: SpawnContext, name: str, side: str, *args: Any
+) -> Child:
+    """A side in its child process (`Child`), closed when `children` closes."""
+    return children.enter_context(contextlib.closing(Child(ctx, name, side, *args)))
 
 
 def _transfer(rx: Child, tx: Child, channel: str, n: int, key: str) -> dict[str, Any]:
@@ -246,14 +275,35 @@ def _bench_exposed(
     progress: Progress,
     task: Any,
 ) -> dict[str, Any]:
+    samples: list[dict[str, Any]] = []
+    for tp in devices.exposed_tp:
+        samples += _exposed_samples(ctx, config, devices, tp, vocab_size, progress, task)
+    return summarize_exposed(config, devices, samples)
+
+
+def _exposed_samples(
+    ctx: SpawnContext,
+    config: TransferBenchConfig,
+    devices: Devices,
+    tp: tuple[int, int],
+    vocab_size: int,
+    progress: Progress,
+    task: Any,
+) -> list[dict[str, Any]]:
+    """The exposed-time samples of workers of (prefill TP, decode TP) `tp`, every channel."""
     max_tokens = config.decode_tokens + 1  # the prefill's first token, then decode_tokens steps
     longest = max(*config.exposed_tokens, _WARMUP_PROMPT_TOKENS)
     num_blocks = math.ceil((longest + max_tokens) / config.block_size) + 2
-    progress.update(task, description="exposed: loading the model in both workers")
-    d = Child(ctx, "decode-worker", "decode", config, devices.receiver, num_blocks)
-    p = Child(ctx, "prefill-worker", "prefill", config, devices.sender, num_blocks)
+    sizes = f"P TP {tp[0]} -> D TP {tp[1]}"
+    progress.update(task, description=f"exposed {sizes}: loading the model in both workers")
     samples: list[dict[str, Any]] = []
-    try:
+    with contextlib.ExitStack() as children:
+        d = _start(
+            children, ctx, "decode-worker", "decode", config, devices.receiver, num_blocks, tp[1]
+        )
+        p = _start(
+            children, ctx, "prefill-worker", "prefill", config, devices.sender, num_blocks, tp[0]
+        )
         d.result(STARTUP_TIMEOUT_S)
         p.result(STARTUP_TIMEOUT_S)
 
@@ -262,14 +312,15 @@ def _bench_exposed(
             ticket = d.call("reserve", key, ids, max_tokens)
             prefill = p.call("prefill", stream, key, ids, max_tokens, ticket)
             decode = d.call("collect", key, CALL_TIMEOUT_S)
-            return {"channel": channel, "stream": stream, "tokens": n, **prefill, **decode}
+            sample = {"tp": list(tp), "channel": channel, "stream": stream, "tokens": n}
+            return sample | prefill | decode
 
-        for channel in devices.exposed_channels:
-            progress.update(task, description=f"exposed {channel}: loading prefill workers")
+        for channel in exposed_channels_of(devices, tp):
+            progress.update(task, description=f"exposed {sizes}, {channel}: loading prefill")
             p.call("open", channel, timeout_s=STARTUP_TIMEOUT_S)
             for stream in (True, False):
                 mode = "streaming" if stream else "whole"
-                progress.update(task, description=f"exposed {channel}, {mode}: warm-up")
+                progress.update(task, description=f"exposed {sizes}, {channel}, {mode}: warm-up")
                 request(channel, stream, _WARMUP_PROMPT_TOKENS, f"warmup-{channel}-{mode}")
                 progress.advance(task)
             for rep in range(config.exposed_reps):
@@ -278,13 +329,11 @@ def _bench_exposed(
                         mode = "streaming" if stream else "whole"
                         progress.update(
                             task,
-                            description=f"exposed round {rep + 1}: {channel}, {mode}, {n} tokens",
+                            description=f"exposed round {rep + 1}: {sizes}, {channel}, {mode}, "
+                            f"{n} tokens",
                         )
                         sample = request(channel, stream, n, f"{channel}-{mode}-{n}-{rep}")
                         samples.append({"round": rep, **sample})
                         progress.advance(task)
             p.call("close_workers")
-    finally:
-        p.close()
-        d.close()
-    return summarize_exposed(config, devices, samples)
+    return samples

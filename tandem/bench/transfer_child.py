@@ -1,6 +1,11 @@
 """The child processes of `tandem bench transfer`: each builds one side (a channel's receiver or
 sender, the decode or prefill worker) and runs the methods its parent sends, one call at a time
-over a pipe; the parent's `Child` handle puts a deadline on each call."""
+over a pipe; the parent's `Child` handle puts a deadline on each call.
+
+The children are not daemonic: a worker of several tensor-parallel ranks spawns its ranks, which a
+daemonic process may not. So the parent closes each child whatever fails (`transfer.py` holds them
+in an exit stack): `Child.close` closes the side and joins the process, terminating it if it does
+not exit in time; a child whose parent dies sees its pipe close and exits."""
 
 from __future__ import annotations
 
@@ -71,7 +76,7 @@ class Child:
             target=_child_main,
             args=(child_conn, side, config, device, args),
             name=name,
-            daemon=True,
+            daemon=False,  # it may spawn tensor-parallel ranks; `close` ends it
         )
         with passive_omp():
             self.process.start()
@@ -97,6 +102,7 @@ class Child:
         return self.result(timeout_s)
 
     def close(self) -> None:
+        """Ask the side to close, then join the process; terminate it if it does not exit."""
         try:
             self.conn.send(("close", ()))
             if self.conn.poll(30):

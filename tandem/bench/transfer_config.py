@@ -45,6 +45,9 @@ class TransferBenchConfig:
     exposed_channels: tuple[str, ...] = CHANNELS
     exposed_tokens: tuple[int, ...] = (2048,)  # () skips the worker part
     exposed_reps: int = 3
+    # (prefill TP, decode TP) of the exposed-time part's workers (the default model's heads
+    # split over 3 ranks; the transfer assembles or splits them, docs/kv_transfer.md)
+    exposed_tp: tuple[tuple[int, int], ...] = ((1, 1), (3, 1), (1, 3))
     decode_tokens: int = 16  # decoded after admission; their TPOT is the decode step
     threads: int = 2  # torch intra-op threads of every process
     seed: int = 0
@@ -64,6 +67,10 @@ class TransferBenchConfig:
             raise ValueError(f"prompt_tokens must be >= 1 each, got {self.prompt_tokens}")
         if self.exposed_tokens and min(self.exposed_tokens) < 1:
             raise ValueError(f"exposed_tokens must be >= 1 each, got {self.exposed_tokens}")
+        if not self.exposed_tp or any(len(tp) != 2 or min(tp) < 1 for tp in self.exposed_tp):
+            raise ValueError(
+                f"exposed_tp must name (prefill, decode) TP sizes >= 1, got {self.exposed_tp}"
+            )
         for name in ("block_size", "reps", "exposed_reps", "decode_tokens", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -89,7 +96,8 @@ class Devices:
     receiver: str  # the decode side
     channels: tuple[str, ...]
     exposed_channels: tuple[str, ...]
-    skipped: dict[str, str]  # channel -> why it does not run
+    exposed_tp: tuple[tuple[int, int], ...]  # (prefill TP, decode TP) of the exposed part
+    skipped: dict[str, str]  # channel (or "tensor parallel") -> why it does not run
 
 
 def plan_devices(config: TransferBenchConfig) -> Devices:
@@ -112,12 +120,23 @@ def plan_devices(config: TransferBenchConfig) -> Devices:
     channels = tuple(c for c in config.channels if c not in skipped)
     if not channels:
         raise BenchError(f"no channel of {list(config.channels)} can run: {skipped}")
+    skipped = {
+        c: why for c, why in skipped.items() if c in config.channels + config.exposed_channels
+    }
+    exposed_tp = config.exposed_tp
+    if config.device != "cpu" and any(tp != (1, 1) for tp in exposed_tp):
+        exposed_tp = tuple(tp for tp in exposed_tp if tp == (1, 1))
+        skipped["tensor parallel"] = (
+            "a worker's ranks take GPUs 0..N-1, which the sender and receiver share: the TP "
+            "rows run on the CPU"
+        )
     return Devices(
         sender,
         receiver,
         channels,
         tuple(c for c in config.exposed_channels if c not in skipped),
-        {c: why for c, why in skipped.items() if c in config.channels + config.exposed_channels},
+        exposed_tp,
+        skipped,
     )
 
 
@@ -133,8 +152,16 @@ def target_of(channel: str, reference: str) -> float | None:
     return TARGET_OF_REFERENCE.get((channel, reference))
 
 
-def channel_label(channel: str, device_type: str) -> str:
-    """A channel as the tables name it: the pair says its backend."""
+def channel_label(channel: str, device_type: str, tp: tuple[int, int] = (1, 1)) -> str:
+    """A channel as the tables name it: the pair says its backend; workers of other TP sizes
+    than 1 say theirs."""
+    label = channel
     if channel == "pair":
-        return "pair (nccl)" if device_type == "cuda" else "pair (gloo)"
-    return channel
+        label = "pair (nccl)" if device_type == "cuda" else "pair (gloo)"
+    return label if tp == (1, 1) else f"{label}, P TP {tp[0]} -> D TP {tp[1]}"
+
+
+def exposed_channels_of(devices: Devices, tp: tuple[int, int]) -> tuple[str, ...]:
+    """The exposed-time channels workers of these TP sizes run: a decode worker of several ranks
+    has no shared-memory cache (a ticket names one file), so not shm."""
+    return tuple(c for c in devices.exposed_channels if c != "shm" or tp[1] == 1)

@@ -15,6 +15,7 @@ from tandem.bench.transfer_config import (
     Devices,
     TransferBenchConfig,
     channel_label,
+    exposed_channels_of,
     reference_of,
     target_of,
 )
@@ -69,38 +70,44 @@ def summarize_throughput(
 def summarize_exposed(
     config: TransferBenchConfig, devices: Devices, samples: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Per (channel, prompt length, streaming): exposed time, decode step, prefill; with
+    """Per (TP sizes, channel, prompt length, streaming): exposed time, decode step, prefill; with
     streaming, the target exposed < one decode step."""
     device_type = torch.device(config.device).type
     rows = []
-    for channel in devices.exposed_channels:
-        for n in config.exposed_tokens:
-            for stream in (True, False):
-                mine = [
-                    s
-                    for s in samples
-                    if s["channel"] == channel and s["tokens"] == n and s["stream"] == stream
-                ]
-                if not mine:
-                    continue
-                exposed = stats([s["exposed_s"] for s in mine])
-                step = stats([s["tpot_s"] for s in mine])
-                of_step = exposed["median"] / step["median"]
-                rows.append(
-                    {
-                        "channel": channel,
-                        "label": channel_label(channel, device_type),
-                        "tokens": n,
-                        "stream": stream,
-                        "nbytes": mine[0]["nbytes"],
-                        "exposed_s": exposed,
-                        "decode_step_s": step,
-                        "prefill_s": stats([s["prefill_s"] for s in mine]),
-                        "sender_tail_s": stats([s["sender_tail_s"] for s in mine]),
-                        "exposed_of_step": of_step,
-                        "pass": of_step < TARGET_EXPOSED_OF_DECODE_STEP if stream else None,
-                    }
-                )
+    cases = [
+        (tp, channel, n, stream)
+        for tp in devices.exposed_tp
+        for channel in exposed_channels_of(devices, tp)
+        for n in config.exposed_tokens
+        for stream in (True, False)
+    ]
+    for tp, channel, n, stream in cases:
+        mine = [
+            s
+            for s in samples
+            if (tuple(s["tp"]), s["channel"], s["tokens"], s["stream"]) == (tp, channel, n, stream)
+        ]
+        if not mine:
+            continue
+        exposed = stats([s["exposed_s"] for s in mine])
+        step = stats([s["tpot_s"] for s in mine])
+        of_step = exposed["median"] / step["median"]
+        rows.append(
+            {
+                "channel": channel,
+                "tp": list(tp),
+                "label": channel_label(channel, device_type, tp),
+                "tokens": n,
+                "stream": stream,
+                "nbytes": mine[0]["nbytes"],
+                "exposed_s": exposed,
+                "decode_step_s": step,
+                "prefill_s": stats([s["prefill_s"] for s in mine]),
+                "sender_tail_s": stats([s["sender_tail_s"] for s in mine]),
+                "exposed_of_step": of_step,
+                "pass": of_step < TARGET_EXPOSED_OF_DECODE_STEP if stream else None,
+            }
+        )
     return {"rows": rows, "samples": samples}
 
 

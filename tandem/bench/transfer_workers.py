@@ -45,9 +45,11 @@ class _StreamClock(threading.Thread):
 class DecodeSide:
     """Decode process of the exposed-time part: a DecodeWorker on the real model."""
 
-    def __init__(self, config: TransferBenchConfig, device: str, num_blocks: int) -> None:
+    def __init__(
+        self, config: TransferBenchConfig, device: str, num_blocks: int, tp: int = 1
+    ) -> None:
         self.worker = DecodeWorker(
-            _engine_config(config, device, num_blocks),
+            _engine_config(config, device, num_blocks, tp),
             # a failure must not turn into a local prefill here
             transfer=TransferConfig(timeout_s=TRANSFER_TIMEOUT_S, on_failure="fail"),
         )
@@ -95,8 +97,10 @@ class PrefillSide:
     """Prefill process of the exposed-time part: per channel, PrefillWorkers with layer-wise
     streaming on and off."""
 
-    def __init__(self, config: TransferBenchConfig, device: str, num_blocks: int) -> None:
-        self.engine_config = _engine_config(config, device, num_blocks)
+    def __init__(
+        self, config: TransferBenchConfig, device: str, num_blocks: int, tp: int = 1
+    ) -> None:
+        self.engine_config = _engine_config(config, device, num_blocks, tp)
         self.workers: dict[bool, Any] = {}  # stream_layers -> PrefillWorker
         self.channel = ""
 
@@ -136,12 +140,16 @@ class PrefillSide:
         self.close_workers()
 
 
-def _engine_config(config: TransferBenchConfig, device: str, num_blocks: int) -> EngineConfig:
+def _engine_config(
+    config: TransferBenchConfig, device: str, num_blocks: int, tp: int
+) -> EngineConfig:
+    """A worker's engine of `tp` ranks, which share the side's threads."""
     return EngineConfig.create(
         config.model,
         dtype=config.dtype,
         device=device,
-        num_threads=config.threads,
+        tensor_parallel_size=tp,
+        num_threads=max(1, config.threads // tp),
         block_size=config.block_size,
         num_blocks=num_blocks,
         enable_prefix_caching=False,

@@ -12,7 +12,7 @@ from tandem.cli.bench_serve_cli import bench_serve, bench_sla
 from tandem.cli.bench_sim_cli import register_sim_commands
 from tandem.cli.bench_spec_cli import bench_spec
 from tandem.cli.bench_support import JsonOutOpt, names, run_bench_command
-from tandem.cli.options import DeviceOpt, DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
+from tandem.cli.options import DtypeOpt, KVCacheDtypeOpt, ModelOpt, QuantOpt, console
 from tandem.config import DEFAULT_MODEL
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (ratios measured side by side).")
@@ -38,6 +38,7 @@ def bench_grammar(
 
 @bench_app.command("engine")
 def bench_engine(
+    ctx: typer.Context,
     model: ModelOpt = DEFAULT_MODEL,
     dtypes: Annotated[str, typer.Option(help="Comma-separated dtypes.")] = "float32,bfloat16",
     quantization: QuantOpt = None,
@@ -50,6 +51,15 @@ def bench_engine(
         int, typer.Option(help="Batch-1 prompts per round (the same ones every round).")
     ] = 3,
     seed: Annotated[int, typer.Option(help="Seed of the prompt selection.")] = 0,
+    tp: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated tensor-parallel sizes: instead of the comparison, batch-1 "
+            "decode tok/s and the collectives' share of a step at each (on a CPU with fewer "
+            "cores than ranks: the overhead, not a speedup)."
+        ),
+    ] = None,
+    device: Annotated[str, typer.Option(help="With --tp: cpu | cuda (rank r on GPU r).")] = "cpu",
     quick: Annotated[
         bool,
         typer.Option(
@@ -58,7 +68,13 @@ def bench_engine(
     ] = False,
     json_out: JsonOutOpt = None,
 ) -> None:
-    """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit."""
+    """Engine vs transformers `generate` side by side, with the kernel floor and bandwidth limit;
+    with --tp, decode speed per tensor-parallel size."""
+    if tp is not None:
+        _bench_tensor_parallel(ctx, tp, device, quick, json_out)
+        return
+    if device != "cpu":
+        raise typer.BadParameter("--device applies with --tp only")
     from tandem.bench.engine_bench import EngineBenchConfig, run_engine_bench
 
     run_bench_command(
@@ -79,6 +95,52 @@ def bench_engine(
         json_out,
         console,
     )
+
+
+def _bench_tensor_parallel(
+    ctx: typer.Context, tp: str, device: str, quick: bool, json_out: str | None
+) -> None:
+    """`bench engine --tp`: tandem/bench/tp_bench.py with the engine options that apply."""
+    from tandem.bench.tp_bench import TPBenchConfig, run_tp_bench
+
+    sources = {
+        name: ctx.get_parameter_source(name) for name in ("batch", "prompts_per_round", "seed")
+    }
+    given = [  # typer's own click: the enum by name
+        f"--{name.replace('_', '-')}"
+        for name, source in sources.items()
+        if source is not None and source.name != "DEFAULT"
+    ]
+    if given:
+        raise typer.BadParameter(
+            f"{', '.join(given)}: the comparison with transformers only; --tp measures batch 1"
+        )
+    p = ctx.params
+    run_bench_command(
+        lambda: TPBenchConfig(
+            model=p["model"],
+            sizes=tuple(int(n) for n in names(tp)),
+            dtypes=names(p["dtypes"]),
+            quantization=p["quantization"],
+            kv_cache_dtype=p["kv_cache_dtype"],
+            device=device,
+            threads=p["threads"],
+            new_tokens=p["new_tokens"],
+            rounds=p["rounds"],
+        ),
+        quick,
+        run_tp_bench,
+        json_out,
+        console,
+    )
+
+
+def tp_pair(text: str) -> tuple[int, int]:
+    """ "3:1" -> (3, 1)."""
+    prefill, sep, decode = text.partition(":")
+    if not sep:
+        raise ValueError(f"exposed_tp: {text!r} is not PREFILL:DECODE")
+    return int(prefill), int(decode)
 
 
 @bench_app.command("transfer")
@@ -103,6 +165,13 @@ def bench_transfer(
         typer.Option(help="Comma-separated prompt lengths of the exposed-time part; '' skips it."),
     ] = "2048",
     exposed_reps: int = 3,
+    exposed_tp: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated PREFILL:DECODE tensor-parallel sizes of the exposed-time part's "
+            "workers."
+        ),
+    ] = "1:1,3:1,1:3",
     decode_tokens: Annotated[
         int, typer.Option(help="Tokens decoded after admission; their TPOT is the decode step.")
     ] = 16,
@@ -131,6 +200,7 @@ def bench_transfer(
             exposed_channels=names(exposed_channels),
             exposed_tokens=tuple(int(n) for n in names(exposed_tokens)),
             exposed_reps=exposed_reps,
+            exposed_tp=tuple(tp_pair(pair) for pair in names(exposed_tp)),
             decode_tokens=decode_tokens,
             threads=threads,
             seed=seed,
@@ -153,39 +223,6 @@ def bench_gpu(ctx: typer.Context) -> None:
     from tandem.bench.gpu import main
 
     raise typer.Exit(main(ctx.args))
-
-
-@bench_app.command("tp")
-def bench_tp(
-    model: ModelOpt = DEFAULT_MODEL,
-    tp: Annotated[str, typer.Option(help="Comma-separated tensor-parallel sizes.")] = "1,3",
-    dtype: DtypeOpt = "float32",
-    device: DeviceOpt = "cpu",
-    threads: Annotated[int, typer.Option(help="torch threads, shared by a size's ranks.")] = 2,
-    new_tokens: int = 64,
-    rounds: int = 3,
-    quick: Annotated[bool, typer.Option("--quick", help="8 tokens, one round.")] = False,
-    json_out: JsonOutOpt = None,
-) -> None:
-    """Decode tok/s and the collectives' share of a step at each tensor-parallel size (on a CPU
-    with fewer cores than ranks: the overhead of tensor parallelism, not a speedup)."""
-    from tandem.bench.tp_bench import TPBenchConfig, run_tp_bench
-
-    run_bench_command(
-        lambda: TPBenchConfig(
-            model=model,
-            sizes=tuple(int(n) for n in names(tp)),
-            dtype=dtype,
-            device=device,
-            threads=threads,
-            new_tokens=new_tokens,
-            rounds=rounds,
-        ),
-        quick,
-        run_tp_bench,
-        json_out,
-        console,
-    )
 
 
 @bench_app.command("soak")

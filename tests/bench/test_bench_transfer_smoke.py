@@ -1,6 +1,7 @@
 """`tandem bench transfer` end to end with tiny sizes: every channel and reference in real
 sender/receiver processes, and the exposed-time part with the real workers on the tiny random
-Llama; the report is complete. Not a measurement (the default model's `--quick` takes a minute).
+Llama, at TP 1 and into a decode worker of two ranks (spawned by the side's child process); the
+report is complete. Not a measurement (the default model's `--quick` takes a minute).
 """
 
 from __future__ import annotations
@@ -47,12 +48,18 @@ def test_plan_references_and_targets() -> None:
     assert quick.prompt_tokens == (512,) and quick.reps == 1 and quick.exposed_tokens == (512,)
     with pytest.raises(ValueError, match="unknown"):
         TransferBenchConfig(channels=("rdma",))
+    assert devices.exposed_tp == ((1, 1), (3, 1), (1, 3))
+    with pytest.raises(ValueError, match="exposed_tp"):
+        TransferBenchConfig(exposed_tp=((3, 0),))
 
 
 def test_cli_rejects_bad_options() -> None:
     result = CliRunner().invoke(app, ["bench", "transfer", "--channels", "pair,rdma"])
     assert result.exit_code == 2
     assert "rdma" in result.output
+    result = CliRunner().invoke(app, ["bench", "transfer", "--exposed-tp", "1:1,3"])
+    assert result.exit_code == 2
+    assert "PREFILL:DECODE" in result.output
 
 
 @pytest.mark.timeout(120)
@@ -61,6 +68,7 @@ def test_bench_transfer_smoke(tiny_llama_path: Path, tmp_path: Path) -> None:
         TransferBenchConfig(model=str(tiny_llama_path)).quick(),
         prompt_tokens=(40, 64),  # 40: a partly filled last block
         exposed_tokens=(48,),
+        exposed_tp=((1, 1), (1, 2)),
         decode_tokens=2,
     )
     out = tmp_path / "transfer.json"
@@ -90,15 +98,18 @@ def test_bench_transfer_smoke(tiny_llama_path: Path, tmp_path: Path) -> None:
     assert all(s["data_plane"] == s["what"] for s in res["samples"] if "data_plane" in s)
 
     rows = report["exposed"]["rows"]
-    assert [(r["channel"], r["stream"]) for r in rows] == [
-        (c, s) for c in ("pair", "grpc", "shm") for s in (True, False)
+    # a decode worker of two ranks has no shm plane
+    cases = [((1, 1), c) for c in ("pair", "grpc", "shm")] + [((1, 2), c) for c in ("pair", "grpc")]
+    assert [(tuple(r["tp"]), r["channel"], r["stream"]) for r in rows] == [
+        (tp, c, s) for tp, c in cases for s in (True, False)
     ]
+    assert rows[-1]["label"] == "grpc, P TP 1 -> D TP 2"
     for row in rows:
         assert row["tokens"] == 48
         assert row["exposed_s"]["median"] > 0 and row["decode_step_s"]["median"] > 0
         assert row["prefill_s"]["median"] > 0
         assert (row["pass"] is None) == (not row["stream"])
     assert all(s["n_out"] == 3 for s in report["exposed"]["samples"])
-    assert len(report["targets"]) == 6 + 3
+    assert len(report["targets"]) == 6 + 5
     text = console.file.getvalue()  # type: ignore[attr-defined]
     assert "KV transfer throughput" in text and "exposed transfer time" in text

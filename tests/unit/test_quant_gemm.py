@@ -1,7 +1,8 @@
 """The native kernel of quantized weights (`csrc/quant_gemm.cpp`, `quant/tiles.py`) multiplies
 exactly the layer's dequantized weights: bfloat16 inputs, float32 sums, one rounding of the output
-to bfloat16, for int4 and int8, every row count (its chunks of 16, 8, 4, 2 and 1), group size and
-row stride, at every instruction-set level the CPU runs; bad shapes are refused."""
+to bfloat16 (or none: float32 out), for int4 and int8, every row count (its chunks of 16, 8, 4, 2
+and 1), group size and row stride, at every instruction-set level the CPU runs; bad shapes are
+refused."""
 
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def test_equals_the_dequantized_product(
     # the float32 sum, then one rounding to bfloat16 (relative 2^-9)
     err = (got.double() - want).abs() / want.abs().clamp(min=1e-3 * want.abs().max())
     assert err.max() < 2**-8
+    # the same sums unrounded (a tensor-parallel rank's partial sums)
+    sums = kernels.quant_gemm(x, layer.tiles, layer.tile_scales, _group(layer), float32_out=True)
+    assert sums.dtype == torch.float32 and torch.equal(sums.bfloat16(), got)
     if rows <= layer.max_kernel_tokens and kernels.level == native.level_in_use():
         assert torch.equal(layer(x), got)  # the layer's own route
 

@@ -40,10 +40,13 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
       "RoPE of q's and k's heads in place (rotate-half convention)");
   m.def(
       "quant_gemm",
-      [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_zeros, int64_t group_size) {
-        return quant_gemm(*k, x, tiles, scales_zeros, group_size);
+      [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_zeros, int64_t group_size,
+          bool float32_out) {
+        return quant_gemm(*k, x, tiles, scales_zeros, group_size, float32_out);
       },
-      "int4 / int8 weight tiles times bfloat16 rows");
+      "int4 / int8 weight tiles times bfloat16 rows, into bfloat16 (or float32)", py::arg("x"),
+      py::arg("tiles"), py::arg("scales_zeros"), py::arg("group_size"),
+      py::arg("float32_out") = false);
   m.def(
       "row_gemm",
       [k](torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {

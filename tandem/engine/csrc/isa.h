@@ -54,7 +54,8 @@ struct QuantGemmArgs {
   const uint16_t* scales_zeros;  // bfloat16 bits [num_tiles, in / group_size, 2, 16]
   int64_t num_tiles, group_size;
   bool int4;
-  uint16_t* y;  // bfloat16 bits [rows, num_tiles * 16]
+  void* y;  // [rows, num_tiles * 16]: float32, or bfloat16 bits
+  bool y_float32;
 };
 
 struct Kernels {

@@ -42,10 +42,10 @@ void rotary(const isa::Kernels& kernels, at::Tensor q, at::Tensor k, at::Tensor 
 // dst[index[i]] = src[i] over whole rows (KV slots), same element size.
 void scatter_rows(at::Tensor dst, at::Tensor index, at::Tensor src);
 
-// int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16
-// [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).
+// int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16 (or,
+// `float32_out`, float32) [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).
 at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tiles,
-                         at::Tensor scales_zeros, int64_t group_size);
+                      at::Tensor scales_zeros, int64_t group_size, bool float32_out);
 
 // x [rows, in] times weights [out, in] (nn.Linear's layout), plus bias, -> [rows, out], float32 or
 // bfloat16 throughout, a row's result independent of the other rows (row_gemm.cpp,

@@ -1,4 +1,4 @@
-// int4 / int8 weight tiles times bfloat16 rows: the checks and the output around the level's
+// int4 / int8 weight tiles times bfloat16 rows, into bfloat16 or float32: the checks and the output around the level's
 // kernel (kernels/quant_gemm.h says what it computes; quant/tiles.py lays the tiles out).
 
 #include "native.h"
@@ -8,7 +8,7 @@ constexpr int64_t kTile = isa::kQuantTile;  // output channels a tile
 }
 
 at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tiles,
-                         at::Tensor scales_zeros, int64_t group_size) {
+                      at::Tensor scales_zeros, int64_t group_size, bool float32_out) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 &&
                   x.scalar_type() == at::kBFloat16,
               "x: bfloat16 CPU rows [rows, in_features], unit stride within a row");
@@ -29,12 +29,12 @@ at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tile
                   scales_zeros.size(1) == groups && scales_zeros.size(2) == 2 &&
                   scales_zeros.size(3) == kTile && scales_zeros.device().is_cpu(),
               "scales_zeros: bfloat16 [out_features / 16, groups, 2, 16] (quant/tiles.py)");
-  auto y = at::empty({rows, num_tiles * kTile}, x.options());
+  auto y = at::empty({rows, num_tiles * kTile},
+                     x.options().dtype(float32_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return y;
   kernels.quant_gemm({reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, in, x.stride(0),
                       reinterpret_cast<const uint8_t*>(tiles.data_ptr()),
                       reinterpret_cast<const uint16_t*>(scales_zeros.data_ptr()), num_tiles,
-                      group_size, int4,
-                      reinterpret_cast<uint16_t*>(y.data_ptr())});
+                      group_size, int4, y.data_ptr(), float32_out});
   return y;
 }

@@ -30,7 +30,6 @@ from tandem.engine.kv_quant import encode
 if TYPE_CHECKING:
     from tandem.engine.models.linear import RowKernel
     from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
-    from tandem.engine.tp.group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -120,10 +119,6 @@ class DecodePlan:
         return self._views
 
 
-def _all_reduced(kernel: RowKernel, tp: TPGroup) -> RowKernel:
-    return lambda x: tp.all_reduce(kernel(x))
-
-
 def build(model: LlamaForCausalLM) -> DecodePlan | None:
     """The model's plan, or None where it does not fit one (the module path runs)."""
     cfg = model.cfg
@@ -147,9 +142,7 @@ def build(model: LlamaForCausalLM) -> DecodePlan | None:
                 return None
             kernels.append(found[0])
             max_rows = min(max_rows, found[1])
-        qkv, o, gate_up, down = kernels
-        if model.tp is not None:  # tensor parallelism: o and down give partial sums
-            o, down = _all_reduced(o, model.tp), _all_reduced(down, model.tp)
+        qkv, o, gate_up, down = kernels  # o and down all-reduce under tensor parallelism
         layers.append(
             LayerPlan(
                 layer.input_layernorm.weight,

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tandem.engine import native, routes
+
+if TYPE_CHECKING:  # the TP group's module imports nothing of the models
+    from tandem.engine.tp.group import TPGroup
 
 # Rows that `row_gemm` multiplies, by dtype: in float32 1-2 rows keep `weight @ x.T`.
 ROW_GEMM_ROWS = {torch.float32: range(3, 33), torch.bfloat16: range(1, 17)}
@@ -161,22 +164,34 @@ class DenseProduct:
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose products go through a `DenseProduct` over its own parameters."""
+    """nn.Linear whose products go through a `DenseProduct` over its own parameters. A
+    row-parallel layer (`tp`: its input channels split over the group's ranks) sums the ranks'
+    products with one all-reduce, each rounded to the model dtype first (float32: the sums of
+    one device up to their order)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tp: TPGroup | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.product = DenseProduct(self.weight, self.bias)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x)
+        y = self.product(x)
+        return y if self.tp is None else self.tp.all_reduce(y)
 
     def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
         """The call `forward` makes for 2-D inputs of `dtype`, bound to this layer's tensors, and
         the most rows it holds for (any); every linear layer of the decoder has this method
         (`models/decode_plan.py` calls it once, not per step)."""
+        found = self._row_product(dtype)
+        tp = self.tp
+        if tp is None:
+            return found, 1 << 62
+        return lambda x: tp.all_reduce(found(x)), 1 << 62
+
+    def _row_product(self, dtype: torch.dtype) -> RowKernel:
         product = self.product
         if product.chosen is not None and dtype == self.weight.dtype:
-            return product, 1 << 62
+            return product
         weight, bias = self.weight, self.bias
         kernel = _row_gemm()  # the plan's steps: inputs of `dtype`, no autograd
         native = kernel is not None and _native_weights(dtype, weight, bias)
@@ -188,4 +203,4 @@ class Linear(nn.Linear):
                 return kernel(x, weight, bias)
             return linear(x, weight, bias)
 
-        return product_of, 1 << 62
+        return product_of

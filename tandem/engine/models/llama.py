@@ -5,8 +5,9 @@ only place that knows about requests (through `AttentionMetadata`). Projections 
 time (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`) so a layer costs four matmuls.
 
 Under tensor parallelism (`tp`, tandem/engine/tp/) `cfg` is the rank's own (its heads and
-intermediate channels): o_proj and down_proj give partial sums that one all-reduce each
-completes, the embedding holds a slice of the vocabulary, and the logits are gathered on rank 0.
+intermediate channels): o_proj and down_proj sum the ranks' partial products with one
+all-reduce each (`Linear`, `quant/layer.py`), the embedding holds a slice of the vocabulary, and
+the logits are gathered on rank 0.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tp = tp
         self.qkv_proj = Linear(
             cfg.hidden_size,
             cfg.q_size + 2 * cfg.kv_size,
@@ -74,7 +74,9 @@ class Attention(nn.Module):
             dtype=dtype,
             device=device,
         )
-        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device)
+        self.o_proj = Linear(
+            cfg.q_size, cfg.hidden_size, bias=False, dtype=dtype, device=device, tp=tp
+        )
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, device)
@@ -97,8 +99,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos_sin)
         o = self.backend.forward(q.reshape(n, -1), k.reshape(n, -1), v, kv_cache, meta)
-        out = self.o_proj(o)
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -110,17 +111,15 @@ class MLP(nn.Module):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
         self.gate_up_proj = Linear(
             cfg.hidden_size, 2 * cfg.intermediate_size, bias=False, dtype=dtype, device=device
         )
         self.down_proj = Linear(
-            cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device
+            cfg.intermediate_size, cfg.hidden_size, bias=False, dtype=dtype, device=device, tp=tp
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
-        return out if self.tp is None else self.tp.all_reduce(out)
+        return self.down_proj(layer_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -38,6 +38,7 @@ from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
 
 if TYPE_CHECKING:  # tandem.engine.models imports this module
     from tandem.engine.models.linear import RowKernel
+    from tandem.engine.tp.group import TPGroup
 
 # Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
 # SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 32 tokens the kernel took
@@ -159,7 +160,7 @@ def kernel_works(device: torch.device, group_size: int) -> bool:
 
 class Int4Linear(QuantizedLinear):
     """A linear layer over int4 weights; input, bias and output in `dtype`, scales and zeros in
-    bfloat16."""
+    bfloat16; `tp`: a row-parallel layer's group (`layer.py`)."""
 
     def __init__(
         self,
@@ -167,9 +168,11 @@ class Int4Linear(QuantizedLinear):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.model_dtype = dtype
+        self.tp = tp
         self.out_features = weight.qweight.shape[0]
         self.in_features = 2 * weight.qweight.shape[1]
         self.group_size = weight.group_size

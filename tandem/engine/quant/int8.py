@@ -27,6 +27,7 @@ from tandem.engine.quant.probe import KERNEL_DTYPE, kernel_agrees
 
 if TYPE_CHECKING:  # tandem.engine.models imports this module
     from tandem.engine.models.linear import RowKernel
+    from tandem.engine.tp.group import TPGroup
 
 # Above this many tokens dequantize-then-matmul is faster than the kernel. Measured with
 # SmolLM2's four layer shapes x 30 layers, bfloat16, 2 threads: at 8 tokens the kernel took 14 ms
@@ -67,7 +68,8 @@ def kernel_works(device: torch.device) -> bool:
 
 
 class Int8Linear(QuantizedLinear):
-    """A linear layer over int8 weights; input, bias and output in `dtype`, scales in bfloat16."""
+    """A linear layer over int8 weights; input, bias and output in `dtype`, scales in
+    bfloat16; `tp`: a row-parallel layer's group (`layer.py`)."""
 
     def __init__(
         self,
@@ -76,9 +78,11 @@ class Int8Linear(QuantizedLinear):
         dtype: torch.dtype,
         device: torch.device,
         max_kernel_tokens: int = KERNEL_MAX_TOKENS,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.model_dtype = dtype
+        self.tp = tp
         self.out_features, self.in_features = weight.qweight.shape
         self.max_kernel_tokens = max_kernel_tokens  # more tokens dequantize (or go elsewhere)
         self.qweight: torch.Tensor

@@ -1,7 +1,15 @@
 """What the int8 and int4 linear layers share: on CPU, the routes `routes.bind` gives them, one
 per row bucket (the native tiles, torch's packed kernel, dequantize-then-matmul in bfloat16 or
 float32); elsewhere, and before `bind`, their device kernel for the rows of a decode step and
-dequantize-then-matmul for longer inputs and where there is no kernel."""
+dequantize-then-matmul for longer inputs and where there is no kernel.
+
+A row-parallel layer under tensor parallelism (`tp`: o_proj and down_proj, whose input channels
+are split over the ranks) sums the ranks' products with one all-reduce. On CPU its routes give
+each rank's partial sum in float32, unrounded, and the sum rounds once, where the single-device
+route rounds its product (to bfloat16 after the kernels, to the model dtype after
+dequantize-then-matmul): the layer's output equals the single-device one up to the order of
+float32 sums. torch's packed kernels give bfloat16 only: they are no route of a row-parallel
+layer. Elsewhere (CUDA) the ranks' products are summed as they come."""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ from tandem.engine.quant.probe import KERNEL_DTYPE
 
 if TYPE_CHECKING:  # tandem.engine.models imports this module
     from tandem.engine.models.linear import RowKernel
+    from tandem.engine.tp.group import TPGroup
 
 
 class QuantizedLinear(nn.Module):
@@ -34,6 +43,7 @@ class QuantizedLinear(nn.Module):
     bias: torch.Tensor | None
     tiles: torch.Tensor | None
     tile_scales: torch.Tensor | None
+    tp: TPGroup | None  # a row-parallel layer's group (the module docstring)
     chosen: routes.RouteSet | None = None  # by routes.bind
     _route_calls: tuple[RowKernel, ...] | None = None
 
@@ -51,12 +61,13 @@ class QuantizedLinear(nn.Module):
         """torch's packed weight-only kernel on this layer's weights (packed on first use), or
         None where it does not run."""
 
-    def tile_kernel(self) -> RowKernel | None:
-        """The native tiles' kernel on this layer's tiles, or None where there are none."""
+    def tile_kernel(self, float32_out: bool = False) -> RowKernel | None:
+        """The native tiles' kernel on this layer's tiles (its sums rounded to bfloat16, or
+        float32 ones), or None where there are none."""
         weight_tiles, scales_zeros, group = self.tiles, self.tile_scales, self.tile_group
         if weight_tiles is None or scales_zeros is None:
             return None
-        return lambda x: tiles.multiply(x, weight_tiles, scales_zeros, group)
+        return lambda x: tiles.multiply(x, weight_tiles, scales_zeros, group, float32_out)
 
     @abstractmethod
     def drop_packed(self) -> None:
@@ -83,7 +94,9 @@ class QuantizedLinear(nn.Module):
     @property
     def shape_key(self) -> str:
         bias = " bias" if self.bias is not None else ""
-        return f"{self.method} {self.out_features}x{self.in_features} g{self.tile_group}{bias}"
+        partial = " partial" if self.tp is not None else ""  # float32 products, other routes
+        shape = f"{self.out_features}x{self.in_features} g{self.tile_group}"
+        return f"{self.method} {shape}{bias}{partial}"
 
     @property
     def activation_dtype(self) -> torch.dtype:
@@ -93,13 +106,22 @@ class QuantizedLinear(nn.Module):
         names = {"dequant", "dequant_fp32"}
         if self.tiles is not None:
             names.add("quant_gemm")
-        if self.torch_kernel_runs():
+        if self.torch_kernel_runs() and self.tp is None:
             names.add("torch_packed")
         return frozenset(names)
 
     def route_call(self, name: str) -> RowKernel:
         """The route's product of rows [rows, in] -> [rows, out] in the model dtype, bias
-        excluded; the kernels take them in bfloat16 (`probe.py`)."""
+        excluded; the kernels take them in bfloat16 (`probe.py`). A row-parallel layer's: this
+        rank's partial sum in float32, rounded nowhere (`rounding` says where it rounds once
+        summed)."""
+        if self.tp is not None:
+            if name == "quant_gemm":
+                sums = self.tile_kernel(float32_out=True)
+                assert sums is not None
+                return lambda x: sums(x.to(KERNEL_DTYPE))
+            weights = self.model_dtype if name == "dequant" else torch.float32  # as rounded here
+            return lambda x: F.linear(x.float(), self.dequantize(weights).float())
         if name in ("quant_gemm", "torch_packed"):
             kernel = self.kernel_of(name)
             if self.model_dtype == KERNEL_DTYPE:
@@ -115,11 +137,23 @@ class QuantizedLinear(nn.Module):
         assert kernel is not None
         return kernel
 
+    def rounding(self, name: str) -> torch.dtype:
+        """The dtype the route rounds its product to on one device."""
+        return KERNEL_DTYPE if name in ("quant_gemm", "torch_packed") else self.model_dtype
+
     def set_routes(self, chosen: routes.RouteSet) -> None:
         self.chosen = chosen
         if "torch_packed" not in chosen.names:
             self.drop_packed()
-        self._route_calls = tuple(self.route_call(name) for name in chosen.names)
+        self._route_calls = tuple(self._summed(name) for name in chosen.names)
+
+    def _summed(self, name: str) -> RowKernel:
+        """The route's product, a row-parallel layer's summed over the ranks and rounded once."""
+        call, tp = self.route_call(name), self.tp
+        if tp is None:
+            return call
+        rounding, dtype = self.rounding(name), self.model_dtype
+        return lambda x: tp.all_reduce(call(x)).to(rounding).to(dtype)
 
     def read_bytes(self, rows: int) -> int:
         """Bytes of weights a product of `rows` rows reads through its route (before `bind`:
@@ -150,7 +184,8 @@ class QuantizedLinear(nn.Module):
             if dtype != self.model_dtype or self.bias is not None:
                 return None
             return lambda x: calls[routes.bucket_of(x.shape[0])](x), 1 << 62
-        kernel = self.kernel() if self.use_kernel else None
+        # a row-parallel layer's sum over the ranks is `forward`'s: not a kernel's
+        kernel = self.kernel() if self.use_kernel and self.tp is None else None
         if kernel is None or dtype != KERNEL_DTYPE or self.bias is not None:
             return None
         return kernel, self.max_kernel_tokens
@@ -164,6 +199,12 @@ class QuantizedLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
+        y = self._device_product(x)
+        return y if self.tp is None else self.tp.all_reduce(y)
+
+    def _device_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The product without routes: the device kernel's, or dequantize-then-matmul's."""
+        rows = x.numel() // self.in_features
         kernel = self.kernel() if self.use_kernel and rows <= self.max_kernel_tokens else None
         if kernel is not None and x.dim() == 2 and x.dtype == KERNEL_DTYPE and self.bias is None:
             return kernel(x)  # a decode step's rows: no reshape or cast around the call

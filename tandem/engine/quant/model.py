@@ -1,7 +1,7 @@
 """Quantize a loaded model: the decoder layers' linear layers become `Int8Linear` / `Int4Linear`,
 and the LM head gains an int8 copy.
 
-Every `nn.Linear` inside `model.layers` (qkv_proj, o_proj, gate_up_proj, down_proj) is quantized
+Every `Linear` inside `model.layers` (qkv_proj, o_proj, gate_up_proj, down_proj) is quantized
 from its float weight; weights that map exactly from the checkpoint (GGUF Q4_0 / Q4_1 blocks for
 int4 with groups of 32, `gguf_blocks.py`) then overwrite the rows they cover, which is per
 projection: a fused qkv_proj can take q and k from blocks and v from the float weight.
@@ -19,10 +19,12 @@ import torch
 from torch import nn
 
 from tandem.config import QUANT_METHODS
+from tandem.engine.models.linear import Linear
 from tandem.engine.models.llama import LlamaForCausalLM, fused_target
 from tandem.engine.quant.int4 import Int4Linear, Int4Weight, layer_group_size, quantize_int4
 from tandem.engine.quant.int8 import Int8Linear, Int8Weight, quantize_int8
 from tandem.engine.quant.lm_head import quantize_lm_head
+from tandem.engine.tp.group import TPGroup
 
 QuantWeight = Int4Weight | Int8Weight
 
@@ -59,9 +61,10 @@ def quantize_model(
         parts.setdefault(target.removesuffix(".weight"), []).append((offset or 0, weight))
     for parent_name, parent in list(model.layers.named_modules(prefix="layers")):
         for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, Linear):
                 name = f"{parent_name}.{child_name}"
-                quantized = quantize_linear(child, method, group_size, parts.pop(name, []))
+                part = parts.pop(name, [])
+                quantized = quantize_linear(child, method, group_size, part, child.tp)
                 setattr(parent, child_name, quantized)
     if parts:
         raise ValueError(f"direct weights for layers that are not quantized: {sorted(parts)[:4]}")
@@ -75,16 +78,18 @@ def quantize_linear(
     method: str,
     group_size: int,
     parts: list[tuple[int, QuantWeight]],
+    tp: TPGroup | None = None,
 ) -> Int8Linear | Int4Linear:
-    """`linear` quantized from its weight, then `parts` ((row offset, weight)) copied over."""
+    """`linear` quantized from its weight, then `parts` ((row offset, weight)) copied over;
+    `tp`: a row-parallel layer's group."""
     weight = linear.weight.detach()  # [out, in]
     bias = None if linear.bias is None else linear.bias.detach()
     quantized = quantize_weight(weight, method, group_size)
     for offset, part in parts:
         replace_rows(quantized, offset, part)
     if isinstance(quantized, Int8Weight):
-        return Int8Linear(quantized, bias, weight.dtype, weight.device)
-    return Int4Linear(quantized, bias, weight.dtype, weight.device)
+        return Int8Linear(quantized, bias, weight.dtype, weight.device, tp=tp)
+    return Int4Linear(quantized, bias, weight.dtype, weight.device, tp=tp)
 
 
 def quantize_weight(weight: torch.Tensor, method: str, group_size: int) -> QuantWeight:

@@ -39,10 +39,11 @@ def multiply(
     tiles: torch.Tensor,
     scales_zeros: torch.Tensor,
     group_size: int,
-) -> torch.Tensor:  # [rows, out] bfloat16
+    float32_out: bool = False,
+) -> torch.Tensor:  # [rows, out] bfloat16 (float32: the sums unrounded)
     ext = native.extension()
     assert ext is not None
-    out: torch.Tensor = ext.quant_gemm(x, tiles, scales_zeros, group_size)
+    out: torch.Tensor = ext.quant_gemm(x, tiles, scales_zeros, group_size, float32_out)
     return out
 
 

@@ -6,7 +6,8 @@
 // for one row, 390 for sixteen. Here a weight is decoded once for a chunk of rows, and the
 // products are exact: int4 codes 0..15 and int8 codes -127..127 times a bfloat16 input need at
 // most 16 significant bits, so float32 (or a bfloat16 pair of `vdpbf16ps`) holds them, and only
-// the sums round. With w = q * scale + min per group of input channels (int8: one group, min 0):
+// the sums round. The float32 sums are stored as bfloat16, or as they are (a tensor-parallel
+// rank's partial sums, rounded once after the all-reduce adds them). With w = q * scale + min per group of input channels (int8: one group, min 0):
 //
 //   y[m, n] = sum_g scale[g, n] * sum_{k in g} x[m, k] q[n, k]  +  min[g, n] * sum_{k in g} x[m, k]
 //
@@ -232,10 +233,15 @@ void multiply(const QuantGemmArgs& a) {
         const int64_t mt = chunk_size(i);
         for (; m0 + mt <= a.rows; m0 += mt) {
           kKernels[i](x, xs.data(), tile, tile_sz, m0, pairs, a.group_size / 2, result);
-          for (int64_t m = 0; m < mt; ++m)
-            for (int64_t i = 0; i < kTile; i += simd::kWidth)
-              simd::store_bf16(a.y + (m0 + m) * out_features + t * kTile + i,
-                               result + m * kTile + i);
+          for (int64_t m = 0; m < mt; ++m) {
+            const int64_t first = (m0 + m) * out_features + t * kTile;
+            if (a.y_float32)
+              std::memcpy(static_cast<float*>(a.y) + first, result + m * kTile,
+                          kTile * sizeof(float));
+            else
+              for (int64_t i = 0; i < kTile; i += simd::kWidth)
+                simd::store_bf16(static_cast<uint16_t*>(a.y) + first + i, result + m * kTile + i);
+          }
         }
       }
     }
