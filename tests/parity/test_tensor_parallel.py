@@ -156,8 +156,6 @@ def test_prompt_logprobs_equal_single_device(engines: tuple[EngineCore, EngineCo
     )
 
 
-@pytest.fixture(scope="module")
-def smollm2_engines(smollm2_path: Path) -> Iterator[tuple[EngineCore, EngineCore]]:
 # SmolLM2's weights -> engine options
 SMOLLM2_WEIGHTS = {"float32": {}, "int8": {"quantization": "int8", **QUANT_ROUTES}}
 
