@@ -25,6 +25,8 @@ from router.tools import ToolCall, ToolStream, ToolUse, template_message
 from tandem.messages import logprobs_to_proto, sampling_from_proto
 from tandem.v1 import admin_pb2, admin_pb2_grpc, api_pb2, api_pb2_grpc
 
+MIN_TIMEOUT_S = 0.001  # a call whose deadline has passed gets this much: it ends at once
+
 
 def _prepare_args(request: api_pb2.GenerateRequest) -> dict[str, Any]:
     which = request.WhichOneof("input")
@@ -109,6 +111,16 @@ async def _abort_with(context: grpc.aio.ServicerContext, e: RouterError) -> None
     await context.abort(e.kind.grpc_code, details)
 
 
+def _timeout_s(request: api_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> float:
+    """The request's deadline in seconds from now (0: the router's default): its `timeout_s`
+    or the call's own deadline (`grpc-timeout`), whichever is sooner."""
+    remaining = context.time_remaining()
+    if remaining is None:  # the call has no deadline
+        return request.timeout_s
+    remaining = max(remaining, MIN_TIMEOUT_S)  # passed already: ends at once, as DEADLINE_EXCEEDED
+    return min(request.timeout_s or remaining, remaining)
+
+
 class TandemServicer(api_pb2_grpc.TandemServicer):
     def __init__(self, router: Router, metrics: RouterMetrics) -> None:
         self.router = router
@@ -131,7 +143,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
                 model=request.model,
                 request_id=request.request_id,
                 priority=request.priority,
-                timeout_s=request.timeout_s,
+                timeout_s=_timeout_s(request, context),
                 speculative=request.speculative if request.HasField("speculative") else None,
                 chat_template=ChatTemplateOptions(
                     tools=tool_use.prompt_tools if tool_use is not None else None

@@ -40,6 +40,8 @@ from tandem.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+REQUEST_TIMEOUT_HEADER = "x-request-timeout"  # a client's deadline, seconds
+CLIENT_READ_TIMEOUT_HEADER = "x-stainless-read-timeout"  # the official openai client's, seconds
 
 # Accepted and logged, with no effect here: OpenAI's storage, tracing and caching hints.
 NO_OP_FIELDS = (
@@ -524,7 +526,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = body.completion_params()
         preps = [
-            router.prepare(params, model=body.model, timeout_s=body.timeout, **prompt)
+            router.prepare(params, model=body.model, timeout_s=_timeout_s(body, request), **prompt)
             for prompt in body.prompts()
         ]
         render = _CompletionRender(router, preps, body)
@@ -537,7 +539,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
             body.chat_sampling_params(tool_use),
             model=body.model,
             messages=body.rendered_messages(),
-            timeout_s=body.timeout,
+            timeout_s=_timeout_s(body, request),
             chat_template=ChatTemplateOptions(
                 body.add_generation_prompt,
                 body.chat_template_kwargs or {},
@@ -547,6 +549,25 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
         )
         render = _ChatRender(router, [prep], body, tool_use)
         return await _respond(router, metrics, render, body, request)
+
+
+def _timeout_s(body: _Sampling, request: Request) -> float:
+    """The request's deadline in seconds from now (0: the router's default): the body's
+    `timeout`, the `x-request-timeout` header, and for a whole answer the official client's own
+    read timeout (`x-stainless-read-timeout`: it stops waiting then), whichever is soonest."""
+    headers = [REQUEST_TIMEOUT_HEADER] + ([] if body.stream else [CLIENT_READ_TIMEOUT_HEADER])
+    timeouts = [body.timeout] if body.timeout else []
+    for name in headers:
+        if (value := request.headers.get(name)) is None:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            raise invalid(f"header {name} must be seconds, got {value!r}", name) from None
+        if not seconds > 0:
+            raise invalid(f"header {name} must be > 0, got {value!r}", name)
+        timeouts.append(seconds)
+    return min(timeouts, default=0.0)
 
 
 async def _respond(

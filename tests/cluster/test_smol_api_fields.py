@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, get_type_hints
@@ -184,6 +185,35 @@ def test_a_non_streaming_client_that_leaves_frees_its_blocks(smol: LocalCluster,
     wait_router_idle(smol, 10.0)
 
 
+def test_a_client_deadline_ends_the_request_on_every_worker(smol: LocalCluster, url: str) -> None:
+    """The client's deadline travels with the request: an HTTP stream given `x-request-timeout`
+    ends with a 504 event in the stream (the client still reads), a gRPC call's own deadline
+    (`grpc-timeout`) ends it as DEADLINE_EXCEEDED; the workers stop and free every block."""
+    every_worker = workers(smol)
+    body = {"model": SMOL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    headers = {"x-request-timeout": "1.5"}
+    start = time.monotonic()
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body | {"stream": True}, headers=headers, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert json.loads(events[-1].removeprefix("data: "))["error"]["code"] == 504
+    assert time.monotonic() - start < 10
+    wait_workers_idle(every_worker, 10.0)
+    for bad in ("soon", "0"):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers={"x-request-timeout": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-request-timeout"
+    request = generate_request("Once upon a time", max_tokens=2000, ignore_eos=True)
+    assert smol.address is not None
+    target = smol.address.grpc_target
+    with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as e:
+        list(api_pb2_grpc.TandemStub(channel).Generate(request, timeout=1.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_workers_idle(every_worker, 10.0)
+    wait_router_idle(smol, 10.0)
+
+
 # -- structured outputs ----------------------------------------------------------------------
 
 SCHEMA = {
@@ -209,9 +239,10 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
 
 
-def test_json_schema_output_validates_for_20_prompts(client: openai.OpenAI) -> None:
+def test_json_schema_output_validates_for_20_prompts(client: openai.OpenAI, smol_llm: LLM) -> None:
     """Sampled, 4 at a time: the router spreads them over both decode workers (one speculating)
-    and the prefill worker (the chat template makes each prompt long enough)."""
+    and the prefill worker (the chat template makes each prompt long enough); and the same 20
+    prompts in one batch of the offline engine."""
     response_format: Any = {
         "type": "json_schema",
         "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True},
@@ -232,6 +263,20 @@ def test_json_schema_output_validates_for_20_prompts(client: openai.OpenAI) -> N
     with ThreadPoolExecutor(4) as pool:
         for content in pool.map(ask, range(20)):
             jsonschema.validate(json.loads(content), SCHEMA)
+    structured = StructuredOutput.json_schema(SCHEMA, "response_format")
+    offline = smol_llm.chat(
+        [
+            [{"role": "user", "content": f"Request {seed}. {SCHEMA_CHAT[0]['content']}"}]
+            for seed in range(20)
+        ],
+        [
+            SamplingParams(max_tokens=30, temperature=1.0, seed=seed, structured_output=structured)
+            for seed in range(20)
+        ],
+    )
+    for out in offline:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
 def test_choice_regex_and_json_object(client: openai.OpenAI) -> None:
