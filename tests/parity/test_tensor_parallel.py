@@ -28,7 +28,7 @@ from tandem.engine.models import load_model
 from tandem.engine.quant.layer import QuantizedLinear
 from tandem.engine.quant.model import quantize_weight
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.ranks import TensorParallelError, rank_device
+from tandem.engine.tp.ranks import KEEPALIVE_S, TensorParallelError, rank_device
 from tandem.engine.tp.shard import Shard, check_tensor_parallel
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
@@ -283,6 +283,30 @@ def test_a_dead_or_stuck_rank_fails_the_step(tiny_llama_path: Path, sig: signal.
         while engine.has_unfinished():
             engine.step()
     assert time.monotonic() - start < 2.0 + 5.0
+    engine.close()
+    assert not rank1.is_alive()
+
+
+def test_an_idle_worker_finds_a_stopped_rank(tiny_llama_path: Path) -> None:
+    """Rank 1 stopped while rank 0 is idle: the keep-alive is a round trip, so the engine turns
+    unhealthy within the group's timeout without a step (its worker then stops heartbeating)."""
+    config = EngineConfig.create(
+        str(tiny_llama_path), tensor_parallel_size=2, tp_timeout_s=1.0, **OPTIONS
+    )
+    engine = EngineCore(config)
+    assert isinstance(engine.executor, TPExecutor)
+    (rank1,) = engine.executor.ranks.handles
+    assert rank1.pid is not None
+    engine.executor.keep_alive()
+    assert engine.executor.healthy
+    os.kill(rank1.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    while engine.executor.healthy and time.monotonic() - start < 10.0:
+        engine.executor.keep_alive()
+        time.sleep(0.05)
+    assert not engine.executor.healthy
+    assert time.monotonic() - start < 1.0 + KEEPALIVE_S + 2.0
+    os.kill(rank1.pid, signal.SIGKILL)  # closing around a stopped rank: the test above
     engine.close()
     assert not rank1.is_alive()
 

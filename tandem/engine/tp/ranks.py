@@ -41,7 +41,14 @@ from tandem.engine.dtypes import model_device
 from tandem.engine.runner import ModelInput, ModelRunner, StepResult
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.tp.group import HOST, TPGroup
-from tandem.engine.tp.step import KEEPALIVE, SHARE_KV, STOP, StepMessage, send_control
+from tandem.engine.tp.step import (
+    KEEPALIVE,
+    SHARE_KV,
+    STOP,
+    StepMessage,
+    acknowledge,
+    send_control,
+)
 
 # How a rank hands rank 0 its KV cache tensors when asked (SHARE_KV).
 ShareKV = Callable[[list[torch.Tensor]], None]
@@ -93,6 +100,8 @@ class TPModelRunner(ModelRunner):
         while (step := StepMessage.receive(self.group)) != STOP:
             if step == SHARE_KV:
                 share_kv(self.kv_caches)
+            elif step == KEEPALIVE:
+                acknowledge(self.group)
             if not isinstance(step, StepMessage):
                 continue
             self.copy_blocks(step.block_copies)
@@ -225,6 +234,7 @@ class Ranks:
         self._last_sent = time.monotonic()
         with contextlib.suppress(RuntimeError):  # the group is marked broken
             send_control(self.group, KEEPALIVE)
+            acknowledge(self.group)  # a round trip: a stopped rank fails it within the timeout
 
     def kv_caches(self, own: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Rank r's KV cache tensors (per layer) at [r], rank 0's being `own`: the others'

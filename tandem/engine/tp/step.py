@@ -6,9 +6,10 @@ forward (a fork's partial last block); the other ranks need nothing else of the 
 travels as two int64 tensors: a header of sizes, then the payload (tokens, positions, each
 request's computed tokens, query length and block count, the block ids, the sampled rows, the
 (src, dst) block pairs). A header of another kind is a control message (`CONTROLS`): STOP ends the
-ranks' loop, KEEPALIVE only proves the group alive while rank 0 is idle (a worker heartbeats only
-while these succeed), SHARE_KV asks each rank for its KV cache tensors (a worker's KV transfer
-reads and writes them: `tandem/engine/tp/kv_view.py`).
+ranks' loop, KEEPALIVE proves the group alive while rank 0 is idle: every rank answers it in an
+all-reduce (`acknowledge`), so a dead or stopped rank fails it within the group's timeout (a
+worker heartbeats only while these succeed), SHARE_KV asks each rank for its KV cache
+tensors (a worker's KV transfer reads and writes them: `tandem/engine/tp/kv_view.py`).
 """
 
 from __future__ import annotations
@@ -78,3 +79,9 @@ def send_control(group: TPGroup, kind: int) -> None:
     """Rank 0: a control message (`CONTROLS`) to the other ranks."""
     assert kind in CONTROLS
     group.broadcast(torch.tensor([kind] + [0] * (HEADER_LEN - 1), device=group.device))
+
+
+def acknowledge(group: TPGroup) -> None:
+    """Every rank, after a KEEPALIVE: an all-reduce that needs each rank's part, so rank 0's
+    keep-alive is a round trip (a broadcast alone completes without a stopped rank)."""
+    group.all_reduce(torch.zeros(1, device=group.device))
