@@ -1,0 +1,85 @@
+"""Medusa and EAGLE drafters under tensor parallelism (Gloo, local processes, float32): they run on
+rank 0 with the whole LM head and embedding gathered there at load (tandem/engine/tp/vocab.py),
+and draft what the single-device engine drafts, so TP 2's tokens and acceptance equal TP 1's with
+the same heads, and the tokens equal plain TP 1 decoding's."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.attention import TorchSDPABackend
+from tandem.engine.engine_core import EngineCore
+from tandem.engine.models import load_model
+from tandem.engine.spec.draft_vocab import save_ranking
+from tandem.engine.spec.heads import base_model_fields
+from tandem.engine.spec.medusa import MedusaHeads, save_medusa
+from tandem.engine.tp.ranks import TPModelRunner
+from tandem.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+CPU = torch.device("cpu")
+OPTIONS = dict(num_blocks=24, block_size=4, max_num_batched_tokens=16, num_threads=1)
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def heads(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llama_path: Path, tiny_eagle_path: Path
+) -> dict[str, Path]:
+    """Random Medusa heads (the target's LM head), and the EAGLE head with a draft vocabulary."""
+    root = tmp_path_factory.mktemp("tp-heads")
+    target = load_model(tiny_llama_path, TorchSDPABackend, 4, torch.float32, CPU)
+    torch.manual_seed(3)
+    cfg = target.cfg
+    medusa = MedusaHeads(cfg.hidden_size, cfg.vocab_size, 3, 1, False, torch.float32, CPU)
+    save_medusa(medusa, root / "medusa", base_model_fields(str(tiny_llama_path), target))
+    eagle = shutil.copytree(tiny_eagle_path, root / "eagle")
+    save_ranking(eagle, [torch.arange(3, 131)])  # 128 of the 256 tokens
+    return {"medusa": root / "medusa", "eagle": eagle}
+
+
+def generate(path: Path, size: int, spec: dict | None) -> tuple[list[list[int]], EngineCore]:
+    config = EngineConfig.create(str(path), tensor_parallel_size=size, speculative=spec, **OPTIONS)
+    engine = EngineCore(config)
+    reqs = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished():
+        engine.step()
+        engine.kv_cache.check_integrity()
+    return [r.output_token_ids for r in reqs], engine
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_heads_on_rank_0_draft_as_on_one_device(
+    tiny_llama_path: Path, heads: dict[str, Path], method: str
+) -> None:
+    spec = {"method": method, "path": str(heads[method]), "num_speculative_tokens": 3}
+    plain, engine = generate(tiny_llama_path, 1, None)
+    engine.close()
+    single, engine = generate(tiny_llama_path, 1, spec)
+    stats = engine.scheduler.spec_stats
+    whole = engine.executor.model  # the single-device tables rank 0 must hold whole
+    engine.close()
+    tp, engine = generate(tiny_llama_path, 2, spec)
+    try:
+        runner = engine.executor.runner
+        assert isinstance(runner, TPModelRunner) and runner.whole_vocab is not None
+        assert torch.equal(runner.whole_vocab.lm_head_weight, whole.lm_head_weight)
+        if method == "eagle":  # untied: the embedding gathered on its own
+            assert runner.whole_vocab.embedding is not None
+            assert torch.equal(runner.whole_vocab.embedding, whole.embed_tokens.weight)
+        tp_stats = engine.scheduler.spec_stats
+    finally:
+        engine.close()
+    assert tp == single == plain
+    assert stats.num_draft_tokens > 0
+    assert (tp_stats.num_draft_tokens, tp_stats.num_accepted_tokens) == (
+        stats.num_draft_tokens,
+        stats.num_accepted_tokens,
+    )
