@@ -1,7 +1,8 @@
 """Medusa and EAGLE drafters under tensor parallelism (Gloo, local processes, float32): they run on
 rank 0 with the whole LM head and embedding gathered there at load (tandem/engine/tp/vocab.py),
 and draft what the single-device engine drafts, so TP 2's tokens and acceptance equal TP 1's with
-the same heads, and the tokens equal plain TP 1 decoding's."""
+the same heads, and the tokens equal plain TP 1 decoding's. A grammar's forced tokens (method
+`grammar`, no proposer) are drafts under TP too."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tandem.engine.spec.heads import base_model_fields
 from tandem.engine.spec.medusa import MedusaHeads, save_medusa
 from tandem.engine.tp.ranks import TPModelRunner
 from tandem.sampling_params import SamplingParams
+from tandem.structured import StructuredOutput
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,10 +47,12 @@ def heads(
     return {"medusa": root / "medusa", "eagle": eagle}
 
 
-def generate(path: Path, size: int, spec: dict | None) -> tuple[list[list[int]], EngineCore]:
+def generate(
+    path: Path, size: int, spec: dict | None, params: SamplingParams = GREEDY
+) -> tuple[list[list[int]], EngineCore]:
     config = EngineConfig.create(str(path), tensor_parallel_size=size, speculative=spec, **OPTIONS)
     engine = EngineCore(config)
-    reqs = [engine.add_request(str(i), p, GREEDY) for i, p in enumerate(PROMPTS)]
+    reqs = [engine.add_request(str(i), p, params) for i, p in enumerate(PROMPTS)]
     while engine.has_unfinished():
         engine.step()
         engine.kv_cache.check_integrity()
@@ -83,3 +87,15 @@ def test_heads_on_rank_0_draft_as_on_one_device(
         stats.num_draft_tokens,
         stats.num_accepted_tokens,
     )
+
+
+def test_grammar_forced_tokens_under_tp(tiny_llama_path: Path) -> None:
+    structured = StructuredOutput("regex", r"name=[ab]{2,4};kind=(cat|dog);end", "guided_regex")
+    params = SamplingParams(max_tokens=30, temperature=0.0, structured_output=structured)
+    plain, engine = generate(tiny_llama_path, 1, None, params)
+    engine.close()
+    tp, engine = generate(tiny_llama_path, 2, {"method": "grammar"}, params)
+    stats = engine.scheduler.spec_stats
+    engine.close()
+    assert tp == plain
+    assert stats.num_draft_tokens == stats.num_accepted_tokens >= 10  # forced: always kept
