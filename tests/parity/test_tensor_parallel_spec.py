@@ -62,13 +62,19 @@ def generate(
     return [r.output_token_ids for r in reqs], engine, drafts
 
 
+@pytest.fixture(scope="module")
+def plain(tiny_llama_path: Path) -> list[list[int]]:
+    """Plain greedy decoding on one device."""
+    outputs, engine, _ = generate(tiny_llama_path, 1, None)
+    engine.close()
+    return outputs
+
+
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
 def test_heads_on_rank_0_draft_as_on_one_device(
-    tiny_llama_path: Path, heads: dict[str, Path], method: str
+    tiny_llama_path: Path, heads: dict[str, Path], plain: list[list[int]], method: str
 ) -> None:
     spec = {"method": method, "path": str(heads[method]), "num_speculative_tokens": 3}
-    plain, engine, _ = generate(tiny_llama_path, 1, None)
-    engine.close()
     single, engine, single_drafts = generate(tiny_llama_path, 1, spec)
     whole = engine.executor.model  # the single-device tables rank 0 must hold whole
     engine.close()

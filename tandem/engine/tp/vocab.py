@@ -8,7 +8,9 @@ embedding: both are split by vocabulary rows (layers.py), and their forward is a
 other ranks would have to mirror. Instead every rank sends its rows to rank 0 once, at load
 (`gather_whole_vocab`), and rank 0's drafters use the whole tables: the other ranks' step loop
 stays as it is. Memory: rank 0 holds vocab x hidden more in the model dtype (the gathered copy
-and its own shard of the same rows), twice that for EAGLE on a model with untied embeddings.
+beside its own shard of the same rows; twice that while gathering), twice that for EAGLE on a
+model with untied embeddings. Public Medusa heads carry their own LM heads and leave the copy
+unused (every rank would have to read the heads' config to skip it: not done).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def gather_whole_vocab(model: LlamaForCausalLM, tp: TPGroup, embedding: bool) ->
 
 
 def _gather_rows(tp: TPGroup, rows: torch.Tensor, num_rows: int) -> torch.Tensor | None:
-    """Rank 0: every rank's `rows` ([n, hidden]) stacked, the padding past `num_rows` cut."""
-    stacked = tp.gather_columns(rows.detach().t())  # [hidden, n * size] on rank 0
-    return stacked.t()[:num_rows].contiguous() if tp.rank == 0 else None
+    """Rank 0: every rank's `rows` ([n, hidden]) stacked, the padding past `num_rows` cut (a
+    view: rank 0 holds the padded table, at most size - 1 rows more)."""
+    stacked = tp.gather_rows(rows.detach())  # [n * size, hidden] on rank 0
+    return stacked[:num_rows] if tp.rank == 0 else None
