@@ -343,13 +343,13 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
-        # layerskip, medusa and eagle run the target's own (sharded) layers or head on rank 0
-        # alone, outside the steps the other ranks mirror
-        tp, method = self.model.tensor_parallel_size, self.spec.method
-        if tp > 1 and method not in (None, "ngram", "draft"):
+        # layer-skip drafts run the target's own sharded layers: every rank would have to
+        # mirror each draft forward (docs/engine.md, "Tensor parallelism")
+        tp = self.model.tensor_parallel_size
+        if tp > 1 and self.spec.method == "layerskip":
             raise ValueError(
-                f"speculative method {method!r} does not run under tensor parallelism "
-                f"(tensor_parallel_size={tp}) yet: use 'ngram' or 'draft', or "
+                f"speculative method 'layerskip' does not run under tensor parallelism "
+                f"(tensor_parallel_size={tp}): use 'eagle', 'medusa', 'draft' or 'ngram', or "
                 f"tensor_parallel_size=1"
             )
 

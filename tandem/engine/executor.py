@@ -37,10 +37,12 @@ from tandem.engine.sim import (
     TimedArrival,
 )
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
+from tandem.engine.spec.factory import TARGET_VOCAB_METHODS
 from tandem.engine.tp.group import TPGroup
 from tandem.engine.tp.kv_view import KVLayer, whole_cache
 from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankLauncher, Ranks, ShareKV, TPModelRunner
 from tandem.engine.tp.shard import check_tensor_parallel
+from tandem.engine.tp.vocab import gather_whole_vocab
 from tandem.model_config import ModelConfig, load_config
 
 Model = LlamaForCausalLM | SimModel
@@ -139,6 +141,8 @@ def load_real(
     try:
         executor = load_rank(config, model_path, ranks.group)
         ranks.group.barrier(LOAD_TIMEOUT)  # every rank has loaded its shard
+        assert isinstance(executor.runner, TPModelRunner)
+        gather_drafter_vocab(config, executor.runner)
     except BaseException:
         ranks.kill()
         raise
@@ -184,7 +188,16 @@ def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup, share_kv: Sh
     runner = load_rank(config, model_path, tp).runner
     assert isinstance(runner, TPModelRunner)
     tp.barrier(LOAD_TIMEOUT)
+    gather_drafter_vocab(config, runner)
     runner.serve(share_kv)
+
+
+def gather_drafter_vocab(config: EngineConfig, runner: TPModelRunner) -> None:
+    """Every rank, once all have loaded: for a Medusa or EAGLE drafter, which runs on rank 0
+    alone, rank 0 gathers the whole LM head (and embedding) it drafts with (tp/vocab.py)."""
+    embedding = TARGET_VOCAB_METHODS.get(config.spec.method or "")
+    if embedding is not None:
+        runner.whole_vocab = gather_whole_vocab(runner.model, runner.group, embedding)
 
 
 def load_sim(

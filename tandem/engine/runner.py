@@ -28,6 +28,7 @@ from tandem.engine.sampler import (
 from tandem.engine.scheduler import ScheduledRequest, SchedulerOutput
 from tandem.engine.spec.proposer import StepHidden
 from tandem.engine.spec.rejection import rejection_sample
+from tandem.engine.tp.vocab import TargetVocab
 from tandem.outputs import TokenLogprobs
 
 __all__ = ["ModelRunner", "StepResult"]
@@ -91,6 +92,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.keep_hidden = False  # a proposer reads the target's hidden states (Medusa, EAGLE)
         self.graphs: CudaGraphs | None = None  # decode / verify steps as CUDA graphs (executor)
+
+    def target_vocab(self) -> TargetVocab:
+        """The target's embedding and LM head as a drafter on this rank calls them."""
+        return self.model
 
     def use_kv_caches(self, make: Callable[[], list[torch.Tensor]]) -> None:
         """Compute into KV tensors of the same layout that `make()` allocates (e.g. shared memory);

@@ -343,9 +343,9 @@ def test_natural_splits_accepted() -> None:
 def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads=9"):
         EngineCore(EngineConfig.create(str(smollm2_path), tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="'eagle' does not run under tensor parallelism"):
+    with pytest.raises(ValueError, match="'layerskip' does not run under tensor parallelism"):
         EngineConfig.create(
-            "m", tensor_parallel_size=3, speculative={"method": "eagle", "path": "heads"}
+            "m", tensor_parallel_size=3, speculative={"method": "layerskip", "num_layers": 1}
         )
     # A worker's collectives must fail before the registry would forget it anyway.
     with pytest.raises(ValueError, match="tp_timeout_s=60 must be below heartbeat_ttl_s=3"):

@@ -129,7 +129,7 @@ def run(
 def check_catch_up(proposer: EagleProposer, engine: EngineCore) -> None:
     """Each request's latest head feature equals a from-scratch pass over its pairs
     (h_j, x_{j+1}), j in [base, done), with h from a fresh target forward."""
-    target, head = proposer.target, proposer.head
+    target, head = engine.model, proposer.head
     for request_id, seq in proposer._seqs.items():
         if seq.feature is None:
             continue

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from tandem.engine.models.linear import linear
-from tandem.engine.models.llama import LlamaForCausalLM
+from tandem.engine.tp.vocab import TargetVocab
 
 VOCAB_FILE = "draft_vocab.json"
 
@@ -54,7 +54,7 @@ def load_ranking(path: Path) -> list[int] | None:
 class DraftVocab:
     """A model's LM head restricted to `token_ids`; logits of the other tokens are -inf."""
 
-    def __init__(self, token_ids: Iterable[int], model: LlamaForCausalLM) -> None:
+    def __init__(self, token_ids: Iterable[int], model: TargetVocab) -> None:
         weight = model.lm_head_weight
         self.vocab_size = weight.shape[0]
         ids = sorted(set(token_ids))
@@ -73,12 +73,13 @@ class DraftVocab:
         return logits
 
 
-def draft_lm_head(path: str | Path, size: int, model: LlamaForCausalLM) -> LMHead:
+def draft_lm_head(path: str | Path, size: int, model: TargetVocab) -> LMHead:
     """The LM head for the drafter saved at `path` (heads, or a draft model): `model`'s (the
-    target's for heads) over the first `size` tokens of the ranking saved there, or the whole
-    head (no ranking, `size` 0, or a ranking no shorter than the vocabulary)."""
+    target's for heads, under tensor parallelism rank 0's whole copy of it) over the first `size`
+    tokens of the ranking saved there, or the whole head (no ranking, `size` 0, or a ranking no
+    shorter than the vocabulary)."""
     ranked = load_ranking(Path(path))
-    if ranked is None or size == 0 or min(size, len(ranked)) >= model.cfg.vocab_size:
+    if ranked is None or size == 0 or min(size, len(ranked)) >= model.lm_head_weight.shape[0]:
         return model.compute_logits
     try:
         return DraftVocab(ranked[:size], model)

@@ -60,7 +60,7 @@ EAGLE-3 heads (`midlayer.*`, a draft vocabulary) are refused. Tree drafts are no
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -251,7 +251,7 @@ class EagleProposer(Proposer):
     def __init__(
         self,
         head: EagleHead,
-        target: LlamaForCausalLM,
+        embed: Callable[[Tensor], Tensor],
         lm_head: LMHead,
         num_blocks: int,
         block_size: int,
@@ -259,7 +259,7 @@ class EagleProposer(Proposer):
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.head = head
-        self.target = target
+        self.embed = embed  # the target's embedding (under tensor parallelism: tp/vocab.py)
         self.lm_head = lm_head  # the target's, or over a draft vocabulary (draft_vocab.py)
         self.device = device
         self.eos_token_ids = eos_token_ids
@@ -388,7 +388,7 @@ class EagleProposer(Proposer):
         ids = torch.tensor(token_ids, device=dev)
         meta = self.head.backend.build_metadata(seqs, dev)
         return self.head(
-            self.target.embed_tokens(ids),
+            self.embed(ids),
             states,
             torch.tensor(positions, device=dev),
             self.kv_caches,

@@ -19,6 +19,10 @@ from tandem.engine.spec.proposer import GrammarOnlyProposer, Proposer
 # Methods whose proposer hands a prompt's state from the prefill worker that computed it to the
 # decode worker (`Proposer.handover_state`): prefill workers run them too.
 HANDOVER_METHODS = ("eagle",)
+# Methods whose proposer scores drafts with the target's LM head, and with True also embeds
+# tokens with the target's embedding: under tensor parallelism rank 0 gathers them whole once
+# every rank has loaded (tandem/engine/tp/vocab.py), and the proposer runs on rank 0 alone.
+TARGET_VOCAB_METHODS = {"medusa": False, "eagle": True}
 
 
 def prefill_speculative(decode_speculative: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -56,15 +60,16 @@ def _heads_proposer(
     """Medusa heads or an EAGLE head: both read the target's hidden states."""
     assert spec.path is not None  # SpecConfig requires it for these methods
     model, dtype, device = runner.model, model_dtype(settings), model_device(settings)
+    vocab = runner.target_vocab()  # under tensor parallelism rank 0's whole copy
     runner.keep_hidden = True
-    lm_head = draft_lm_head(spec.path, spec.draft_vocab_size, model)
+    lm_head = draft_lm_head(spec.path, spec.draft_vocab_size, vocab)
     if spec.method == "medusa":
         heads = load_medusa(spec.path, model, dtype, device)
         return MedusaProposer(heads, lm_head, runner.eos_token_ids)
     head = load_eagle(spec.path, model, kv_cache.block_size, dtype, device)
     return EagleProposer(
         head,
-        model,
+        vocab.embed_tokens,
         lm_head,
         kv_cache.num_blocks,
         kv_cache.block_size,

@@ -65,6 +65,14 @@ class TPGroup:
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """Rank 0: every rank's `tensor` ([rows, cols], equal shapes) side by side, [rows, cols *
         size]; the other ranks get their own `tensor` back."""
+        return self._gather(tensor, dim=1)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0: every rank's `tensor` ([rows, cols], equal shapes) stacked, [rows * size,
+        cols]; the other ranks get their own `tensor` back."""
+        return self._gather(tensor, dim=0)
+
+    def _gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else []
         outputs = [parts] if self.rank == 0 else []  # Gloo: nothing at all on the others
@@ -72,7 +80,7 @@ class TPGroup:
         opts.rootRank = 0
         opts.timeout = self.timeout
         self._wait(self.backend.gather(outputs, [tensor], opts), self.timeout)
-        return torch.cat(parts, dim=1) if self.rank == 0 else tensor
+        return torch.cat(parts, dim=dim) if self.rank == 0 else tensor
 
     def _wait(self, work: dist.Work, timeout: timedelta) -> None:
         start = time.perf_counter()

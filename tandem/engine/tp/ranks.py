@@ -49,6 +49,7 @@ from tandem.engine.tp.step import (
     acknowledge,
     send_control,
 )
+from tandem.engine.tp.vocab import TargetVocab, WholeVocab
 
 # How a rank hands rank 0 its KV cache tensors when asked (SHARE_KV).
 ShareKV = Callable[[list[torch.Tensor]], None]
@@ -72,6 +73,14 @@ class TPModelRunner(ModelRunner):
     def __init__(self, *args: Any, group: TPGroup, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        # Rank 0's whole LM head (and embedding) for a Medusa or EAGLE drafter (vocab.py), set
+        # once every rank has loaded
+        self.whole_vocab: WholeVocab | None = None
+
+    def target_vocab(self) -> TargetVocab:
+        if self.whole_vocab is None:
+            raise RuntimeError("no whole vocabulary was gathered to rank 0 for a drafter")
+        return self.whole_vocab
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInput:
         inp = super().prepare(out, block_tables)
