@@ -73,7 +73,9 @@ def once_per_run(
         path = root / f"{name}.pickle"
         with FileLock(f"{path}.lock"):
             if not path.is_file():
-                path.write_bytes(pickle.dumps(compute()))
+                partial = path.with_suffix(".partial")  # a worker that dies leaves no half file
+                partial.write_bytes(pickle.dumps(compute()))
+                partial.replace(path)
             return pickle.loads(path.read_bytes())
 
     return once
