@@ -1,9 +1,11 @@
-"""The metadata and tensor names of a GGUF file, read without its arrays or tensor data.
+"""The metadata and tensor directory of a GGUF file, read without its arrays or tensor data.
 
 `gguf.GGUFReader` parses every metadata array element into its own NumPy array: for a model's
-vocabulary that takes seconds and over 100 MB. A model's architecture needs only scalar fields,
-the length of the vocabulary and which tensors exist, so this reader steps over array elements
-and tensor shapes (GGUF v2 and v3, little-endian: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
+vocabulary that takes seconds and over 100 MB, in every process that loads the model. A model's
+architecture needs only scalar fields, the length of the vocabulary and which tensors exist, and
+its loader only where each tensor lies, so this reader steps over array elements and records
+each tensor's dimensions, type and place (GGUF v2 and v3, little-endian:
+https://github.com/ggml-org/ggml/blob/master/docs/gguf.md).
 """
 
 from __future__ import annotations
@@ -32,11 +34,26 @@ _SCALARS = {
 }
 
 
+_DEFAULT_ALIGNMENT = 32  # of the tensor data, unless `general.alignment` says otherwise
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    dims: tuple[int, ...]  # fastest-varying first (ggml `ne`), as the file lists them
+    type: int  # ggml type id (`gguf.GGMLQuantizationType`)
+    offset: int  # of its data in the file
+
+
 @dataclass(frozen=True)
 class GGUFHeader:
     fields: dict[str, Any]  # scalar and string metadata values
     array_lengths: dict[str, int]  # metadata arrays: their element counts
-    tensor_names: frozenset[str]
+    tensors: tuple[GGUFTensor, ...]  # in file order
+
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tensors)
 
 
 class _Cursor:
@@ -98,9 +115,12 @@ def read_header(path: Path) -> GGUFHeader:
                 array_lengths[key] = cursor.skip_array()
             else:
                 fields[key] = cursor.value(kind)
-        names = []
+        entries = []
         for _ in range(num_tensors):
-            names.append(cursor.string())
-            num_dims = cursor.unpack("I")
-            cursor.pos += 8 * num_dims + 4 + 8  # dims, type, data offset
-        return GGUFHeader(fields, array_lengths, frozenset(names))
+            name, num_dims = cursor.string(), cursor.unpack("I")
+            dims = tuple(cursor.unpack("Q") for _ in range(num_dims))
+            entries.append((name, dims, cursor.unpack("I"), cursor.unpack("Q")))
+        alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+        start = -(-cursor.pos // alignment) * alignment  # the tensor data, after padding
+        tensors = tuple(GGUFTensor(n, d, t, start + offset) for n, d, t, offset in entries)
+        return GGUFHeader(fields, array_lengths, tensors)

@@ -6,12 +6,14 @@ import os
 # the spinning starves the thread doing the work. Must be set before torch is imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 from tandem import hub
 from tandem.engine.spec import adaptive, draft_length
@@ -52,6 +54,31 @@ def speculate_in_any_batch(monkeypatch: pytest.MonkeyPatch) -> None:
             adaptive.DEFAULT_DISABLE_BATCH_SIZE if configured is None else configured
         ),
     )
+
+
+@pytest.fixture(scope="session")
+def once_per_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[str, Callable[[], Any]], Any]:
+    """`once_per_run(name, compute)`: `compute()`'s value, computed once in the whole test run.
+    Under pytest-xdist the first worker to ask computes it under a file lock and leaves it
+    pickled in the run's shared temporary directory, and the other workers read it there (the
+    files of a session fixture can land on both workers). For what costs seconds and depends
+    on nothing a test changes: a reference's scores."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return lambda name, compute: compute()
+    root = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers
+
+    def once(name: str, compute: Callable[[], Any]) -> Any:
+        path = root / f"{name}.pickle"
+        with FileLock(f"{path}.lock"):
+            if not path.is_file():
+                partial = path.with_suffix(".partial")  # a worker that dies leaves no half file
+                partial.write_bytes(pickle.dumps(compute()))
+                partial.replace(path)
+            return pickle.loads(path.read_bytes())
+
+    return once
 
 
 @pytest.fixture(scope="session")

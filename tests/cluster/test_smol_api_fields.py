@@ -12,6 +12,7 @@ conftest).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -39,7 +40,7 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from router.http_api import NO_OP_FIELDS, ChatRequest, CompletionRequest
-from router.router_server import RouterServer
+from router.router_server import RouterAddress, RouterServer
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
@@ -119,28 +120,65 @@ def test_a_field_openai_does_not_know_is_rejected_by_name(url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def short_context_router(smol: LocalCluster) -> Iterator[str]:
+def short_context_router(smol: LocalCluster) -> Iterator[RouterAddress]:
     """A second router over the same workers that allows 48 tokens of context."""
     assert smol.registry is not None
     server = RouterServer(
         RouterConfig(SMOL, max_model_len=48), smol.registry.url, http_port=0, grpc_port=0
     )
     try:
-        yield server.start().http_url
+        yield server.start()
     finally:
         server.stop()
 
 
-def test_without_max_tokens_a_chat_runs_to_eos_or_the_context_end(
-    short_context_router: str,
+def test_without_max_tokens_a_request_runs_to_eos_or_the_context_end(
+    short_context_router: RouterAddress,
 ) -> None:
+    """Chat and completions over HTTP, and gRPC: the rest of the (48-token) context."""
+    url = short_context_router.http_url
     story = [{"role": "user", "content": "Tell me a long story about a dragon."}]
-    body = {"model": SMOL, "messages": story, "temperature": 0, "ignore_eos": True}
-    r = http_post(f"{short_context_router}/v1/chat/completions", body)
-    assert r.status_code == 200, r.text
-    usage, choice = r.json()["usage"], r.json()["choices"][0]
-    assert usage["prompt_tokens"] + usage["completion_tokens"] == 48
-    assert choice["finish_reason"] == "length"
+    for path, body in [
+        ("/v1/chat/completions", {"model": SMOL, "messages": story}),
+        ("/v1/completions", {"model": SMOL, "prompt": "Once upon a time, a dragon"}),
+    ]:
+        r = http_post(f"{url}{path}", body | {"temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage, choice = r.json()["usage"], r.json()["choices"][0]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 48
+        assert choice["finish_reason"] == "length"
+    target = short_context_router.grpc_target
+    _, last = grpc_generate(target, "Once upon a time, a dragon", temperature=0, ignore_eos=True)
+    assert last.usage.prompt_tokens + last.usage.completion_tokens == 48
+    assert last.finish_reason == "length"
+
+
+def test_chat_options_reach_the_template_and_the_detokenizer(url: str, smol_llm: LLM) -> None:
+    """`max_completion_tokens` on chat, `chat_template_kwargs` (a variable the template reads:
+    SmolLM2's default system prompt is only rendered when no system message is given, so a
+    kwarg that the template ignores changes nothing, and `add_generation_prompt` false does),
+    and `skip_special_tokens` false (the end-of-turn token shows in the text)."""
+    body = {"model": SMOL, "messages": CHAT, "temperature": 0, "max_completion_tokens": 3}
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    tokens = http_post(f"{url}/tokenize", {"model": SMOL, "messages": CHAT}).json()["count"]
+    kwargs = {"chat_template_kwargs": {"unused_variable": 1}}
+    r = http_post(f"{url}/v1/chat/completions", body | kwargs)
+    assert r.json()["usage"]["prompt_tokens"] == tokens
+    r = http_post(f"{url}/v1/chat/completions", body | {"add_generation_prompt": False})
+    assert r.json()["usage"]["prompt_tokens"] < tokens
+    reference = smol_llm.chat(CHAT, SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert reference.finish_reason == "stop"  # it ends its turn within 64 tokens
+    body |= {"max_completion_tokens": 64, "skip_special_tokens": False}
+    r = http_post(f"{url}/v1/chat/completions", body)
+    assert r.json()["choices"][0]["message"]["content"].endswith("<|im_end|>")
+
+
+def test_no_op_fields_are_logged(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    body = {"model": SMOL, "prompt": "Hello", "max_tokens": 1, "user": "user-7"}
+    with caplog.at_level(logging.INFO, logger="router.http_api"):
+        assert http_post(f"{url}/v1/completions", body).status_code == 200
+    assert any("user" in r.getMessage() for r in caplog.records if r.name == "router.http_api")
 
 
 def test_text_parts_are_read_and_other_parts_rejected(url: str, smol_llm: LLM) -> None:
@@ -308,6 +346,19 @@ def test_choice_regex_and_json_object(client: openai.OpenAI) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    r = client.chat.completions.create(
+        model=SMOL,
+        messages=SCHEMA_CHAT,
+        max_tokens=30,
+        temperature=0,
+        extra_body={"guided_json": SCHEMA},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), SCHEMA)
+    grammar = 'root ::= "The answer is " ("yes" | "no") "."'  # GBNF
+    c = client.completions.create(
+        model=SMOL, prompt="Is water wet?", max_tokens=10, extra_body={"guided_grammar": grammar}
+    )
+    assert c.choices[0].text in ("The answer is yes.", "The answer is no."), c.choices[0].text
 
 
 def test_grpc_structured_output_is_constrained_from_the_prefill_worker_on(

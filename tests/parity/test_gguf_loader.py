@@ -20,7 +20,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from tandem.engine.models.loader import iter_weights, load_tokenizer
+from tandem.engine.models.loader import _dequantize, iter_weights, load_tokenizer
 from tandem.model_config import load_config
 
 Q = gguf.GGMLQuantizationType
@@ -219,6 +219,15 @@ def test_llama_qk_permutation_is_undone(tmp_path: Path) -> None:
         "model.layers.1.self_attn.k_proj.weight",
     ):
         assert torch.equal(loaded[name], original[name])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.F32])
+def test_dequantization_is_gguf_bit_for_bit(qtype: Q) -> None:
+    """The loader dequantizes common block types in torch: the same float32 values as gguf."""
+    w = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(w, qtype).view(np.uint8)
+    theirs = torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+    assert torch.equal(_dequantize(raw, qtype), theirs)
 
 
 def test_unsupported_tensor_type(tmp_path: Path) -> None:

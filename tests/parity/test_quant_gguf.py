@@ -3,6 +3,7 @@ converter writes them) loaded with quantization give back llama.cpp's weights wh
 exactly (up to the scales' and zeros' rounding to bfloat16), through the loader's row order and the
 q/k/v and gate/up fusion; requantized weights differ by far more."""
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from test_gguf_loader import TINY_MODELS, write_gguf
 from tandem.config import EngineConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.quant import Int4Linear, Int8Linear, gguf_direct_weights
+from tandem.engine.quant.model import joined_rows, quantize_weight, replace_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,6 +64,31 @@ def test_q4_file_loads_into_int4_exactly(
     ids = list(range(3, 30))
     got, want = prompt_logits(quantized, ids), prompt_logits(float_engine, ids)
     assert float((got - want).norm() / want.norm()) < 1e-2  # bfloat16 activations in the kernel
+
+
+@pytest.mark.parametrize(("qtype", "method"), [(Q.Q4_1, "int4"), (Q.Q8_0, "int8")])
+def test_blocks_covering_a_projection_make_it_without_quantizing(
+    tmp_path: Path, qtype: Q, method: str
+) -> None:
+    """Blocks for every row of a projection (here in two parts) give the weight that
+    quantizing the float weight and then copying the blocks' rows over it gives, bit for bit."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, TINY_MODELS["llama"], "llama", lambda name, i: qtype)
+    whole = gguf_direct_weights(path, method, 32)["model.layers.0.mlp.down_proj.weight"]
+    rows = len(whole.qweight)
+    fields = dataclasses.fields(whole)
+    halves = [
+        type(whole)(*(getattr(whole, f.name)[part] for f in fields))
+        for part in (slice(rows // 2), slice(rows // 2, None))
+    ]
+    parts = [(0, halves[0]), (rows // 2, halves[1])]
+    replaced = quantize_weight(whole.dequantize(), method, 32)
+    for offset, part in parts:
+        replace_rows(replaced, offset, part)
+    joined = joined_rows(parts[::-1], rows)
+    assert joined is not None
+    assert all(torch.equal(getattr(joined, f.name), getattr(replaced, f.name)) for f in fields)
+    assert joined_rows(parts[:1], rows) is None  # rows left to quantize
 
 
 def test_mixed_file_maps_what_it_can(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""tandem.gguf_header against gguf.GGUFReader: the same scalar fields, array lengths and tensors."""
+"""tandem.gguf_header against gguf.GGUFReader: the same scalar fields, array lengths and tensors
+(names, dimensions, types and data offsets)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def test_header_matches_gguf_reader(smollm2_path: Path) -> None:
     assert header.fields == scalars
     assert header.array_lengths == {k: len(f.data) for k, f in arrays.items()}
     assert header.tensor_names == {t.name for t in reader.tensors}
+    assert [(t.name, t.dims, t.type, t.offset) for t in header.tensors] == [
+        (t.name, tuple(map(int, t.shape)), int(t.tensor_type), int(t.data_offset))
+        for t in reader.tensors
+    ]
 
 
 def test_a_file_of_other_bytes_is_refused(tmp_path: Path) -> None:

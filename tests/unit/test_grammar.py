@@ -85,6 +85,31 @@ def test_a_matcher_in_error_allows_only_eos(tiny_llama_path: Path, tokenizer: To
     assert masks is not None and masks[0].nonzero().flatten().tolist() == eos_ids
 
 
+def test_each_grammar_compiles_once_and_the_cache_keeps_the_newest(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llguidance
+
+    patterns = ("ab+c", "ab+c", "x+", "ab+c", "y+", "x+")
+    outputs = {p: regex(p) for p in patterns}
+    keys = {p: outputs[p].grammar for p in patterns}  # before the patch, which they use too
+    compiled: list[str] = []
+    real = llguidance.LLMatcher
+
+    def counting(tokenizer: object, grammar: str, **kwargs: object) -> object:
+        compiled.append(grammar)
+        return real(tokenizer, grammar, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    grammars = GrammarCache(
+        lambda: (tiny_llama_path / "tokenizer.json").read_text(), VOCAB, [EOS], capacity=2
+    )
+    for pattern in patterns:
+        grammars.matcher(outputs[pattern], [])
+    # "ab+c" once; "x+" compiled again after "y+" pushed the least recently used out
+    assert compiled == [keys[p] for p in ("ab+c", "x+", "y+", "x+")]
+
+
 def test_an_output_the_grammar_refuses_is_a_value_error(
     grammars: GrammarCache, tokenizer: Tokenizer
 ) -> None:

@@ -7,8 +7,10 @@ code (the GPU check, `tandem/bench/gpu.py`) needs neither.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tandem.engine import routes
 from tandem.engine.attention import AttentionBackend
@@ -18,6 +20,31 @@ from tandem.engine.tp.shard import Shard
 from tandem.model_config import ModelConfig, load_config
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
+
+# What torch's layers call to draw their initial parameters (nn.Linear, nn.Embedding).
+_INITIALIZERS = frozenset(
+    {
+        torch.nn.init.kaiming_uniform_,
+        torch.nn.init.uniform_,
+        torch.nn.init.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.normal_,
+    }
+)
+
+
+class _NoRandomInit(TorchFunctionMode):
+    """Layers built in this mode keep their parameters as allocated, undrawn: the checkpoint
+    then sets every one (`load_weights` fails on any it lacks), and drawing random values first
+    took a third of a SmolLM2 load. A mode, not a patch of `torch.nn.init`: it holds in this
+    thread only (workers load side by side in threads)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        if func in _INITIALIZERS:
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def load_model(
@@ -42,7 +69,8 @@ def load_model(
     shard = None if tp is None else Shard(cfg, tp.rank, tp.size)
     local = cfg if shard is None else shard.config
     backend = backend_cls(local.num_heads, local.num_kv_heads, local.head_dim, block_size)
-    model = LlamaForCausalLM(local, backend, dtype, device, tp)
+    with _NoRandomInit():
+        model = LlamaForCausalLM(local, backend, dtype, device, tp)
     direct = {}
     if quantization is not None:
         direct = gguf_direct_weights(path, quantization, quant_group_size)

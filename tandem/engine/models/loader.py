@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from tandem.gguf_header import GGUFHeader, read_header
 from tandem.model_config import ModelConfig, is_gguf, load_config
 from tandem.tokenizer import tokenizer_dir
 
@@ -37,6 +39,10 @@ GGUF_TENSOR_TYPES = frozenset(
         gguf.GGMLQuantizationType.Q6_K,
     }
 )
+
+_TYPES_BY_ID = {int(t): t for t in gguf.GGMLQuantizationType}
+# (HF name, type, torch shape, raw uint8 [rows, bytes per row]) of a GGUF tensor
+GGUFTensorData = tuple[str, gguf.GGMLQuantizationType, tuple[int, ...], np.ndarray]
 
 _GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -99,16 +105,35 @@ def _iter_safetensors_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_reader(path: Path, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
+def _cached_header(path: Path, mtime_ns: int, size: int) -> GGUFHeader:
+    return read_header(path)
 
 
-def gguf_reader(path: Path) -> gguf.GGUFReader:
-    # Parsing the metadata takes seconds (the vocabulary is read string by string) and
-    # load_config + iter_weights open the same file back to back; mtime and size key out stale
-    # copies when the file is replaced.
+def _gguf_tensors(path: Path) -> list[GGUFTensorData]:
+    """(HF name, type, shape, raw data) of every tensor of a GGUF file, each type checked before
+    any data is read (a bad file fails before a model is half loaded). The shape is torch's
+    (slowest dimension first: GGUF lists them fastest first); the data is uint8 `[rows, bytes
+    per row]` of the file's memory map, in GGUF row order. The directory comes from
+    `gguf_header` (`gguf.GGUFReader` would parse the vocabulary first: seconds a process), kept
+    per file: load_config, iter_gguf_blocks and iter_weights read it back to back, and mtime and
+    size key out stale copies when the file is replaced."""
     stat = path.stat()
-    return _cached_reader(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    header = _cached_header(path.resolve(), stat.st_mtime_ns, stat.st_size)
+    data = np.memmap(path, mode="r")
+    tensors = []
+    for t in header.tensors:
+        qtype = _TYPES_BY_ID.get(t.type)
+        if qtype not in GGUF_TENSOR_TYPES:
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has unsupported type "
+                f"{qtype.name if qtype is not None else t.type}; "
+                f"supported: {sorted(t.name for t in GGUF_TENSOR_TYPES)}"
+            )
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        row_bytes, rows = t.dims[0] // block * block_bytes, math.prod(t.dims[1:])
+        raw = data[t.offset : t.offset + rows * row_bytes].reshape(rows, row_bytes)
+        tensors.append((_hf_name(t.name), qtype, tuple(reversed(t.dims)), raw))
+    return tensors
 
 
 def _hf_name(gguf_name: str) -> str:
@@ -128,24 +153,31 @@ def _unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _iter_gguf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    reader = gguf_reader(path)
     config = load_config(path)
-    # Check every tensor before yielding any, so a bad file fails before a model is half loaded.
-    named = []
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in GGUF_TENSOR_TYPES:
-            raise ValueError(
-                f"GGUF tensor {tensor.name!r} has unsupported type {tensor.tensor_type.name}; "
-                f"supported: {sorted(t.name for t in GGUF_TENSOR_TYPES)}"
-            )
-        named.append((_hf_name(tensor.name), tensor))
-    for name, tensor in named:
-        # GGUF lists dimensions fastest-first (ggml `ne`); torch wants them slowest-first.
-        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        # copy: F32 data is a view into the read-only memory map.
-        weight = torch.from_numpy(np.array(array, dtype=np.float32)).reshape(shape)
-        yield name, _hf_rows(name, weight, config)
+    for name, qtype, shape, raw in _gguf_tensors(path):
+        yield name, _hf_rows(name, _dequantize(raw, qtype).reshape(shape), config)
+
+
+def _dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> torch.Tensor:
+    """`[rows, bytes]` of `qtype` -> float32 `[rows, values]`, as `gguf.quants.dequantize`
+    computes them (bit for bit: the same float32 products and sums), in torch for the block
+    types of common files (NumPy's version takes seconds a model)."""
+    blocks = torch.from_numpy(np.array(raw))  # copy: the memory map is read-only
+    if qtype == gguf.GGMLQuantizationType.Q4_1:
+        blocks = blocks.view(len(raw), -1, 20)  # fp16 scale, fp16 minimum, 32 4-bit codes
+        codes = blocks[..., 4:]
+        values = torch.cat([codes & 0xF, codes >> 4], dim=-1).float()
+        return (_fp16(blocks[..., 0:2]) * values + _fp16(blocks[..., 2:4])).view(len(raw), -1)
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        blocks = blocks.view(len(raw), -1, 34)  # fp16 scale, 32 int8 codes
+        values = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (values * _fp16(blocks[..., 0:2])).view(len(raw), -1)
+    array = gguf.quants.dequantize(blocks.numpy(), qtype)
+    return torch.from_numpy(np.asarray(array, dtype=np.float32))
+
+
+def _fp16(two_bytes: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [..., 1] float32
+    return two_bytes.contiguous().view(torch.float16).float()
 
 
 def iter_gguf_blocks(
@@ -157,14 +189,11 @@ def iter_gguf_blocks(
     path = Path(path)
     if not is_gguf(path):
         return
-    reader = gguf_reader(path)
     config = load_config(path)
-    for tensor in reader.tensors:
-        if tensor.tensor_type in types and len(tensor.shape) == 2:
-            name = _hf_name(tensor.name)
-            # copy: the data is a view into the read-only memory map.
-            blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8))
-            yield name, tensor.tensor_type, _hf_rows(name, blocks, config)
+    for name, qtype, shape, raw in _gguf_tensors(path):
+        if qtype in types and len(shape) == 2:
+            blocks = torch.from_numpy(np.array(raw))  # copy: the memory map is read-only
+            yield name, qtype, _hf_rows(name, blocks, config)
 
 
 def _hf_rows(name: str, rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:

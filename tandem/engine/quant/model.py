@@ -80,13 +80,16 @@ def quantize_linear(
     parts: list[tuple[int, QuantWeight]],
     tp: TPGroup | None = None,
 ) -> Int8Linear | Int4Linear:
-    """`linear` quantized from its weight, then `parts` ((row offset, weight)) copied over;
-    `tp`: a row-parallel layer's group."""
+    """`linear` quantized from its weight, then `parts` ((row offset, weight)) copied over; parts
+    that cover every row make the weight without quantizing it. `tp`: a row-parallel layer's
+    group."""
     weight = linear.weight.detach()  # [out, in]
     bias = None if linear.bias is None else linear.bias.detach()
-    quantized = quantize_weight(weight, method, group_size)
-    for offset, part in parts:
-        replace_rows(quantized, offset, part)
+    quantized = joined_rows(parts, weight.shape[0])
+    if quantized is None or not same_layout(quantized, method, group_size, weight.shape[1]):
+        quantized = quantize_weight(weight, method, group_size)
+        for offset, part in parts:
+            replace_rows(quantized, offset, part)
     if isinstance(quantized, Int8Weight):
         return Int8Linear(quantized, bias, weight.dtype, weight.device, tp=tp)
     return Int4Linear(quantized, bias, weight.dtype, weight.device, tp=tp)
@@ -97,6 +100,35 @@ def quantize_weight(weight: torch.Tensor, method: str, group_size: int) -> Quant
     if method == "int8":
         return quantize_int8(weight)
     return quantize_int4(weight, layer_group_size(weight.shape[1], group_size))
+
+
+def joined_rows(parts: list[tuple[int, QuantWeight]], rows: int) -> QuantWeight | None:
+    """The weight that `parts` ((row offset, weight)) make up where they cover rows 0..`rows`
+    one after another, all of one format; else None."""
+    parts = sorted(parts, key=lambda part: part[0])
+    kinds = {type(part) for _, part in parts}
+    end = 0
+    for offset, part in parts:
+        if offset != end:
+            return None
+        end += len(part.qweight)
+    if end != rows or len(kinds) != 1:
+        return None
+    (kind,) = kinds
+    fields = dataclasses.fields(kind)
+    return kind(*(torch.cat([getattr(p, f.name) for _, p in parts]) for f in fields))
+
+
+def same_layout(weight: QuantWeight, method: str, group_size: int, in_features: int) -> bool:
+    """Whether `weight` is what `quantize_weight` makes of `in_features` columns: its format, and
+    for int4 its group size."""
+    if method == "int8":
+        return isinstance(weight, Int8Weight) and weight.qweight.shape[1] == in_features
+    return (
+        isinstance(weight, Int4Weight)
+        and 2 * weight.qweight.shape[1] == in_features
+        and weight.group_size == layer_group_size(in_features, group_size)
+    )
 
 
 def replace_rows(base: QuantWeight, offset: int, part: QuantWeight) -> None:
