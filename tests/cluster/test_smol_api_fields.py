@@ -157,7 +157,7 @@ def test_chat_options_reach_the_template_and_the_detokenizer(url: str, smol_llm:
     """`max_completion_tokens` on chat, `chat_template_kwargs` (a variable the template reads:
     SmolLM2's default system prompt is only rendered when no system message is given, so a
     kwarg that the template ignores changes nothing, and `add_generation_prompt` false does),
-    and `skip_special_tokens` false (the end-of-turn token shows in the text)."""
+    and `skip_special_tokens` false (a special token shows in the text)."""
     body = {"model": SMOL, "messages": CHAT, "temperature": 0, "max_completion_tokens": 3}
     r = http_post(f"{url}/v1/chat/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -167,11 +167,14 @@ def test_chat_options_reach_the_template_and_the_detokenizer(url: str, smol_llm:
     assert r.json()["usage"]["prompt_tokens"] == tokens
     r = http_post(f"{url}/v1/chat/completions", body | {"add_generation_prompt": False})
     assert r.json()["usage"]["prompt_tokens"] < tokens
-    reference = smol_llm.chat(CHAT, SamplingParams(max_tokens=64, temperature=0.0))[0]
-    assert reference.finish_reason == "stop"  # it ends its turn within 64 tokens
-    body |= {"max_completion_tokens": 64, "skip_special_tokens": False}
-    r = http_post(f"{url}/v1/chat/completions", body)
-    assert r.json()["choices"][0]["message"]["content"].endswith("<|im_end|>")
+    start = smol_llm.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+    assert len(start) == 1  # one special token, which logit_bias makes the only choice
+    body |= {"max_completion_tokens": 2, "logit_bias": {str(start[0]): 100}}
+    texts = [
+        http_post(f"{url}/v1/chat/completions", body | {"skip_special_tokens": skip}).json()
+        for skip in (True, False)
+    ]
+    assert [t["choices"][0]["message"]["content"] for t in texts] == ["", "<|im_start|>" * 2]
 
 
 def test_no_op_fields_are_logged(url: str, caplog: pytest.LogCaptureFixture) -> None:
