@@ -49,6 +49,9 @@ CONFIGS: dict[str, tuple[Callable[[dict[str, int]], object], int, dict[str, str]
     "llama": (lambda tiny: LlamaConfig(**tiny), 2, {}),
     "qwen2": (lambda tiny: Qwen2Config(**tiny), 2, {}),
     "qwen3": (lambda tiny: Qwen3Config(**tiny, head_dim=16), 2, {}),
+    # 4 ranks over 2 KV heads: each replicated on two
+    "qwen2-tp4": (lambda tiny: Qwen2Config(**tiny), 4, {}),
+    "qwen3-tp4": (lambda tiny: Qwen3Config(**tiny, head_dim=16), 4, {}),
     # tied embeddings; 2 KV heads on 4 ranks (each replicated on two); a vocabulary of 250 that
     # 4 ranks hold as 63 rows each, the last two padded
     "tied-replicated-kv": (
