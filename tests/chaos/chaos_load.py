@@ -16,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import signal
+import subprocess
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -76,6 +79,7 @@ class Load:
         max_tokens: int = MAX_TOKENS,
     ) -> None:
         self.address = address
+        self.clients = clients
         self.cancel_rate = cancel_rate
         self.max_tokens = max_tokens
         self.outcomes: list[Outcome] = []
@@ -181,6 +185,20 @@ class Load:
         except httpx.TransportError:  # refused, or cut mid-stream: the router is gone
             error = CONNECTION_LOST
         return Outcome("http", prompt, (), text, error, time.monotonic() - start)
+
+
+def sigterm_under_load(
+    launcher: subprocess.Popen[bytes], load: Load, stop_timeout_s: float, log: Path
+) -> list[Outcome]:
+    """SIGTERM `launcher` once every client of `load` has completed a request; it must exit 0
+    within `stop_timeout_s` (its output, `log`, shown otherwise). The load's outcomes."""
+    try:
+        wait_for(lambda: load.ended() >= load.clients, 60.0, "the load to flow")
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(stop_timeout_s) == 0, log.read_text()
+    finally:
+        outcomes = load.stop()
+    return outcomes
 
 
 def check_outcomes(

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chaos_load import CONNECTION_LOST, Load, check_outcomes, reference_of
+from chaos_load import CONNECTION_LOST, Load, check_outcomes, reference_of, sigterm_under_load
 from cluster_helpers import wait_for, wait_printed, wait_workers_idle
 
 from router.router_server import RouterAddress
@@ -153,12 +153,7 @@ def test_sigterm_to_tandem_serve_on_ray_ends_every_request_and_process(
         assert {"gcs_server", "raylet", "redis-server"} <= names, names
         reference = reference_of(address, offline_tokens)
         load = Load(address, CLIENTS).start()
-        try:
-            wait_for(lambda: load.ended() >= CLIENTS, 60.0, "the load to flow")
-            launcher.send_signal(signal.SIGTERM)
-            assert launcher.wait(STOP_TIMEOUT_S) == 0, log.read_text()
-        finally:
-            outcomes = load.stop()
+        outcomes = sigterm_under_load(launcher, load, STOP_TIMEOUT_S, log)
         check_outcomes(outcomes, reference, STOPPED)
         wait_for(
             lambda: not started_processes(launcher.pid, registry_url(log)),

@@ -34,6 +34,7 @@ from chaos_load import (
     cluster_processes,
     reference_of,
     running_clean,
+    sigterm_under_load,
 )
 from cluster_helpers import wait_for, wait_printed, wait_workers_idle, workers
 
@@ -172,12 +173,7 @@ def test_sigterm_to_the_whole_cluster_under_load_ends_every_request_and_process(
         assert len(cluster_processes(url)) == 3  # 1P + 1D + the redis-server
         reference = reference_of(address, offline_tokens)
         load = Load(address, CLIENTS).start()
-        try:
-            wait_for(lambda: load.ended() >= CLIENTS, 60.0, "the load to flow")
-            launcher.send_signal(signal.SIGTERM)
-            assert launcher.wait(STOP_TIMEOUT_S) == 0, log.read_text()
-        finally:
-            outcomes = load.stop()
+        outcomes = sigterm_under_load(launcher, load, STOP_TIMEOUT_S, log)
         check_outcomes(outcomes, reference, STOPPED)
         wait_for(lambda: not group_alive(launcher.pid), 5.0, "the launcher's process group")
         wait_for(lambda: not cluster_processes(url), 5.0, "the cluster's processes to end")
