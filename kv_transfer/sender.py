@@ -279,11 +279,7 @@ class OutboundTransfer:
                 self._local_error = _transfer_error(e)
                 return
             trailer = pb.Trailer(
-                first_token=pb.FirstToken(
-                    token_id=first_token,
-                    logprobs=logprobs_to_proto(logprobs) if logprobs is not None else None,
-                    prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt_logprobs],
-                ),
+                first_token=_first_token(first_token, logprobs, prompt_logprobs),
                 extras=[tensor_to_proto(k, v) for k, v in extras.items()],
                 first_token_unix=self.first_token_unix,
                 fork_first_tokens=[_first_token(t, lp) for t, lp in forks],
@@ -507,7 +503,12 @@ class KVSender:
             channel.close()
 
 
-def _first_token(token_id: int, logprobs: TokenLogprobs | None) -> pb.FirstToken:
+def _first_token(
+    token_id: int, logprobs: TokenLogprobs | None, prompt: Sequence[TokenLogprobs] = ()
+) -> pb.FirstToken:
+    """A sampled first token, its logprobs if asked for, and the prompt's (choice 0's only)."""
     return pb.FirstToken(
-        token_id=token_id, logprobs=logprobs_to_proto(logprobs) if logprobs is not None else None
+        token_id=token_id,
+        logprobs=logprobs_to_proto(logprobs) if logprobs is not None else None,
+        prompt_logprobs=[logprobs_to_proto(lp) for lp in prompt],
     )

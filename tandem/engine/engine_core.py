@@ -213,9 +213,9 @@ class EngineCore:
         kind = StepKind.of(out)  # before update moves the requests on
         start = time.perf_counter()
         result = self.runner.execute(out, tables, self._layer_hook(out))
-        for s in out.scheduled:
-            req = s.request
-            req.prompt_logprobs += result.prompt_logprobs.get(req.request_id, [])
+        for req_id, scored in result.prompt_logprobs.items():
+            req = self.scheduler.requests[req_id]
+            req.prompt_logprobs += scored
             for fork in req.forks:  # the prompt's, shared: each choice's first token carries it
                 fork.prompt_logprobs = req.prompt_logprobs
         changed = self.scheduler.update(out, result.tokens)
