@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
-from kv_transfer.shm import SharedCache, can_share, create_shared_cache
+from kv_transfer.shm import SharedCache, can_share, create_shared_cache, listing
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
@@ -111,20 +111,24 @@ class DecodeWorker(EngineLoop):
         engine = self.engine
         self.shm: SharedCache | None = None
         device = engine.runner.device
+        # Same-host senders write into the shared caches, which tickets list one per rank: rank
+        # 0's made here, ranks 1..'s files (CPU). A TP worker on GPUs shares none: its ranks'
+        # caches are CUDA IPC openings here, which cannot be exported again (pair or gRPC).
         tensor_parallel = config.model.tensor_parallel_size > 1
-        # A ticket names one shared cache; a TP worker's KV is its ranks' caches (gRPC, pair).
-        if shared_memory and can_share(device) and not tensor_parallel:
-            layout = KVLayout.of(engine.runner.kv_caches)
+        if shared_memory and can_share(device) and not (tensor_parallel and device.type != "cpu"):
+            layout = KVLayout.of(engine.runner.kv_caches)  # rank 0's heads
 
             def share() -> list[torch.Tensor]:
                 self.shm = create_shared_cache(layout, engine.kv_cache.num_blocks, device)
                 return self.shm.kv_caches
 
             engine.runner.use_kv_caches(share)
+        view = engine.executor.kv_view()
+        shared = ()
+        if self.shm is not None:
+            shared = listing(view, [self.shm.locator, *engine.executor.rank_kv_files()])
         fingerprint = model_fingerprint(engine.executor.model_config, engine.model_path)
-        self.receiver = KVReceiver(
-            engine.executor.kv_view(), fingerprint, host, port, self.shm, enable_pairs
-        )
+        self.receiver = KVReceiver(view, fingerprint, host, port, shared, enable_pairs)
         self.arrivals = engine.executor.arrivals(self.receiver, engine.scheduler)
         self.transfer = transfer
         self.transfer_metrics = TransferMetrics()

@@ -5,7 +5,8 @@ the serialized `KVChunk` messages that go on the Push stream (gRPC, or the recei
 socket: `local_control`). `GrpcPlane` puts the bytes in the
 messages themselves; `PairPlane` sends each layer over a torch.distributed pair and yields a
 marker after each group of sends; `ShmPlane` writes straight into the receiver's shared cache
-(shared memory, or GPU memory opened by CUDA IPC) and yields one marker. Handing over every layer
+(shared memory, or GPU memory opened by CUDA IPC; a tensor-parallel receiver's ranks' caches,
+each written its heads) and yields one marker. Handing over every layer
 that is ready at once (all of them when the prefill did not stream layer by layer) keeps the
 control stream at a few messages per transfer.
 """
@@ -22,7 +23,6 @@ from torch.distributed import Work
 
 from kv_transfer.layout import gather_tokens, plan_layer_copy, row_nbytes, slot_mapping, wire_pieces
 from kv_transfer.pairs import WINDOW_BYTES, Pair, wait_done
-from kv_transfer.shm import SharedCache
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
 from kv_transfer.wire import layer_message
@@ -128,9 +128,11 @@ class PairPlane(DataPlane):
 class ShmPlane(DataPlane):
     kind = pb.DATA_PLANE_SHM
 
-    def __init__(self, target: SharedCache, ticket: KVTicket) -> None:
-        self.targets = target.kv_caches  # kept: the cache may be closed (LRU) while we write
-        device = self.targets[0].device
+    def __init__(self, targets: Sequence[KVLayer], ticket: KVTicket) -> None:
+        """`targets`: the receiver's cache as the sender opened it (`SharedCacheAttachments
+        .view`), each rank's tensors where it has several ranks."""
+        self.targets = targets
+        device = targets[0].device
         self.dst_slots = slot_mapping(
             ticket.block_ids, ticket.layout.block_size, ticket.num_tokens, device
         )

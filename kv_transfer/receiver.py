@@ -32,7 +32,6 @@ import torch
 from kv_transfer.layout import slot_mapping
 from kv_transfer.local_control import LocalControlServer, Reply
 from kv_transfer.pairs import PairHost
-from kv_transfer.shm import SharedCache
 from kv_transfer.sinks import GrpcSink, LayerSink, PairSink, ShmSink
 from kv_transfer.state import (
     FailureCause,
@@ -41,7 +40,7 @@ from kv_transfer.state import (
     TransferStatus,
     push_status,
 )
-from kv_transfer.ticket import KVLayout, KVTicket, host_id
+from kv_transfer.ticket import KVLayout, KVTicket, RankCache, check_listing, host_id
 from kv_transfer.wire import (
     SERVICE,
     parse_chunk,
@@ -112,8 +111,9 @@ class _Reservation:
 class KVReceiver:
     """Receives requests' prompt KV into this process's paged KV cache.
 
-    `kv_caches` are the engine's per-layer tensors (pass `shm.kv_caches` when the engine computes
-    into a `SharedKVCache`, so same-host senders can write directly)."""
+    `kv_caches` are the engine's per-layer tensors (those of a `SharedKVCache` when the engine
+    computes in one, so same-host senders can write directly: then `shared_caches` lists it, one
+    entry per rank of a tensor-parallel engine, `shm.listing`)."""
 
     def __init__(
         self,
@@ -121,7 +121,7 @@ class KVReceiver:
         model_fingerprint: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        shm: SharedCache | None = None,
+        shared_caches: Sequence[RankCache] = (),
         enable_pairs: bool = True,
         max_pairs: int = 64,
         max_streams: int = 128,
@@ -131,7 +131,8 @@ class KVReceiver:
         self.layout = KVLayout.of(kv_caches)
         self.model_fingerprint = model_fingerprint
         self.host = host
-        self.shm = shm
+        check_listing(shared_caches, self.layout.num_kv_heads)
+        self.shared_caches = tuple(shared_caches)
         self.pairs = PairHost(host, max_pairs) if enable_pairs else None
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()
@@ -145,7 +146,7 @@ class KVReceiver:
         # Same-host senders (the shm plane) run the Push protocol over a Unix socket instead;
         # a connection is a transfer in flight or one a sender keeps idle (16 at most each).
         self._local: LocalControlServer | None = None
-        if local_control and shm is not None:
+        if local_control and self.shared_caches:
             try:
                 self._local = LocalControlServer(self.serve, max_connections=8 * max_streams)
             except OSError as e:  # no Unix sockets here: same-host senders use gRPC
@@ -171,7 +172,7 @@ class KVReceiver:
             model_fingerprint=self.model_fingerprint,
             num_tokens=num_tokens,
             host_id=host_id(),
-            shared_cache=self.shm.locator if self.shm is not None else "",
+            shared_caches=self.shared_caches,
             pair_store=self.pairs.address if self.pairs is not None else "",
             timeout_s=timeout_s,
             local_control=self._local.address if self._local is not None else "",
@@ -246,7 +247,7 @@ class KVReceiver:
             problem += repr(ticket.model_fingerprint)
         elif header.num_tokens != ticket.num_tokens:
             problem = f"num_tokens {header.num_tokens}, reserved {ticket.num_tokens}"
-        elif header.data_plane == pb.DATA_PLANE_SHM and self.shm is None:
+        elif header.data_plane == pb.DATA_PLANE_SHM and not self.shared_caches:
             problem = "this worker has no shared-memory cache"
         elif header.data_plane == pb.DATA_PLANE_PAIR and (
             self.pairs is None or self.pairs.get(header.pair_id) is None

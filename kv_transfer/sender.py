@@ -410,12 +410,12 @@ class KVSender:
 
     def _choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
         want = self.channel
-        same_host = bool(ticket.shared_cache) and ticket.host_id == host_id()
+        same_host = bool(ticket.shared_caches) and ticket.host_id == host_id()
         if want == "shm" or (want == "auto" and same_host):
             if not same_host:
                 raise TransferError(FailureCause.SETUP, "the receiver has no reachable shm cache")
             try:
-                return ShmPlane(self.shm.get(ticket.shared_cache, ticket.layout), ticket)
+                return ShmPlane(self.shm.view(ticket), ticket)
             except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a CUDA IPC open
                 if want == "shm":
                     why = f"cannot open the receiver's shared cache: {e}"

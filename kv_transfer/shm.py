@@ -1,10 +1,14 @@
 """A paged KV cache in POSIX shared memory, so a prefill worker on the same host can write a
 request's KV straight into a decode worker's blocks (one copy, no socket).
 
-The decode worker creates the cache (`SharedKVCache.create`) and passes its path in its tickets
-(`KVTicket.shared_cache`); the prefill worker attaches by path. The file lives in /dev/shm, named
-with the creator's pid, and is unlinked when the creator closes it, or by the next `create` on the
-host once the creator is gone (killed); mappings already made stay valid until they are dropped.
+The decode worker creates the cache (`SharedKVCache.create`, over a `SharedKVFile` in /dev/shm:
+tandem/engine/shared_kv.py) and lists it in its tickets (`KVTicket.shared_caches`); the prefill
+worker attaches by path. A tensor-parallel decode worker lists one cache per rank, each with the
+KV heads it holds (rank 0's created here, ranks 1..'s moved into their own files by the ranks:
+tandem/engine/tp/ranks.py); the sender opens them all and sees them as one cache of `HeadShards`
+(`SharedCacheAttachments.view`). A file is unlinked when its creator closes it, or by the next
+`create` on the host once the creator is gone (killed); mappings already made stay valid until
+they are dropped.
 
 CPU tensors only; a CUDA cache plays the same role through CUDA IPC (`cuda_ipc.py`), and
 `SharedCacheAttachments` opens either kind by the locator in the ticket.
@@ -12,49 +16,41 @@ CPU tensors only; a CUDA cache plays the same role through CUDA IPC (`cuda_ipc.p
 
 from __future__ import annotations
 
-import math
-import os
 import threading
 import time
-import uuid
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from kv_transfer.cuda_ipc import CudaSharedKVCache, is_cuda_locator
-from kv_transfer.ticket import KVLayout
-
-SHM_DIR = Path("/dev/shm")
-
-
-def shm_available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+from kv_transfer.ticket import KVLayout, KVTicket, RankCache, check_listing
+from tandem.engine.shared_kv import SharedKVFile, shm_available
+from tandem.engine.tp.kv_view import HeadShards, KVLayer
 
 
 class SharedKVCache:
     """Per-layer KV tensors [2, num_blocks, block_size, heads, slot_dim] over one shared file."""
 
-    def __init__(self, path: Path, layout: KVLayout, num_blocks: int, owner: bool) -> None:
-        self.path = path
+    def __init__(self, file: SharedKVFile, layout: KVLayout, owner: bool) -> None:
+        self.file = file
         self.layout = layout
-        self.num_blocks = num_blocks
+        self.num_blocks = file.layer_shape[1]
         self.owner = owner
-        shape = (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.slot_dim)
-        numel = layout.num_layers * math.prod(shape)
-        storage = torch.from_file(str(path), shared=True, size=numel, dtype=layout.torch_dtype)
-        self.kv_caches = list(storage.view(layout.num_layers, *shape).unbind(0))
+        self.kv_caches = file.map()
 
     @property
     def locator(self) -> str:
         """What a ticket names this cache by."""
-        return str(self.path)
+        return self.file.path
 
     @classmethod
     def create(cls, layout: KVLayout, num_blocks: int) -> SharedKVCache:
-        remove_stale_caches()
-        path = SHM_DIR / f"tandem-kv-{os.getpid()}-{uuid.uuid4().hex}"
-        return cls(path, layout, num_blocks, owner=True)  # from_file creates it, zero-filled
+        shape = _layer_shape(layout, num_blocks)
+        file = SharedKVFile.create(layout.num_layers, shape, layout.torch_dtype)
+        return cls(file, layout, owner=True)  # mapping creates it, zero-filled
 
     @classmethod
     def attach(cls, path: str, layout: KVLayout) -> SharedKVCache:
@@ -64,23 +60,17 @@ class SharedKVCache:
             raise ValueError(
                 f"{path} is {size} bytes, not a whole number of {per_block}-byte blocks"
             )
-        return cls(Path(path), layout, size // per_block, owner=False)
+        shape = _layer_shape(layout, size // per_block)
+        return cls(SharedKVFile(path, layout.num_layers, shape, layout.torch_dtype), layout, False)
 
     def close(self) -> None:
         self.kv_caches = []
         if self.owner:
-            self.path.unlink(missing_ok=True)
+            self.file.unlink()
 
 
-def remove_stale_caches() -> int:
-    """Unlink caches whose creating process is gone (a decode worker killed without cleanup)."""
-    removed = 0
-    for path in SHM_DIR.glob("tandem-kv-*-*"):
-        pid = path.name.split("-")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            path.unlink(missing_ok=True)
-            removed += 1
-    return removed
+def _layer_shape(layout: KVLayout, num_blocks: int) -> tuple[int, ...]:
+    return (2, num_blocks, layout.block_size, layout.num_kv_heads, layout.slot_dim)
 
 
 SharedCache = SharedKVCache | CudaSharedKVCache
@@ -103,6 +93,17 @@ def attach(locator: str, layout: KVLayout) -> SharedCache:
     if is_cuda_locator(locator):
         return CudaSharedKVCache.attach(locator, layout)
     return SharedKVCache.attach(locator, layout)
+
+
+def listing(view: Sequence[KVLayer], locators: Sequence[str]) -> tuple[RankCache, ...]:
+    """A ticket's `shared_caches`: each rank's locator (in rank order) and the heads that rank
+    holds in `view`, the receiver's KV cache (one entry for a cache of one device)."""
+    layer = view[0]
+    if isinstance(layer, HeadShards):
+        ranks = zip(locators, layer.first_heads, layer.caches, strict=True)
+        return tuple(RankCache(locator, first, c.shape[3]) for locator, first, c in ranks)
+    (locator,) = locators
+    return (RankCache(locator, 0, layer.shape[3]),)
 
 
 class SharedCacheAttachments:
@@ -133,6 +134,21 @@ class SharedCacheAttachments:
                     self._open.popitem(last=False)[1].close()
             self._open.move_to_end(locator)
             return cache
+
+    def view(self, ticket: KVTicket) -> list[KVLayer]:
+        """The receiver's KV cache, every rank's listed in the ticket opened: per layer its
+        tensor, or, over several ranks, a `HeadShards` (layout.py writes each rank its heads).
+        ValueError (or the opening's error) when a rank's cache cannot be opened."""
+        check_listing(ticket.shared_caches, ticket.layout.num_kv_heads)
+        ranks = [
+            self.get(c.locator, replace(ticket.layout, num_kv_heads=c.num_heads)).kv_caches
+            for c in ticket.shared_caches
+        ]  # kept: a cache may be closed (LRU) while a plane writes into its tensors
+        if len(ranks) == 1 and ticket.shared_caches[0].num_heads == ticket.layout.num_kv_heads:
+            return list(ranks[0])
+        first = tuple(c.first_head for c in ticket.shared_caches)
+        heads = ticket.layout.num_kv_heads
+        return [HeadShards(tuple(layers), first, heads) for layers in zip(*ranks, strict=True)]
 
     def close(self) -> None:
         with self._lock:

@@ -2,7 +2,8 @@
 
 The decode worker issues a `KVTicket` when it reserves blocks for a prompt; the router hands it to
 the prefill worker with the request. The ticket names where to send (endpoint, and the optional
-shared cache, host-local control socket and torch.distributed rendezvous), which blocks to fill,
+shared caches, one per rank of a tensor-parallel receiver with the KV heads it holds, host-local
+control socket and torch.distributed rendezvous), which blocks to fill,
 and what the receiver will accept (layout and fingerprint); a header that disagrees is refused
 before anything is written.
 """
@@ -81,6 +82,41 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
+class RankCache:
+    """One decode rank's shared KV cache, as a same-host sender opens it (a /dev/shm path, or a
+    CUDA IPC locator: shm.py), and the model's KV heads it holds: `num_heads` from `first_head`
+    (a head replicated over several ranks is listed on each)."""
+
+    locator: str
+    first_head: int
+    num_heads: int
+
+    def to_proto(self) -> pb.RankCache:
+        return pb.RankCache(
+            locator=self.locator, first_head=self.first_head, num_heads=self.num_heads
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.RankCache) -> RankCache:
+        return cls(msg.locator, msg.first_head, msg.num_heads)
+
+
+def check_listing(caches: Sequence[RankCache], num_kv_heads: int) -> None:
+    """ValueError unless each rank's heads lie within the model's and together cover them."""
+    covered: set[int] = set()
+    for rank, c in enumerate(caches):
+        if c.num_heads < 1 or c.first_head + c.num_heads > num_kv_heads:
+            raise ValueError(
+                f"shared_caches[{rank}]: heads {c.first_head}..{c.first_head + c.num_heads - 1} "
+                f"outside the model's {num_kv_heads} KV heads"
+            )
+        covered.update(range(c.first_head, c.first_head + c.num_heads))
+    if caches and len(covered) != num_kv_heads:
+        missing = sorted(set(range(num_kv_heads)) - covered)
+        raise ValueError(f"shared_caches: no rank holds KV heads {missing}")
+
+
+@dataclass(frozen=True)
 class KVTicket:
     request_key: str
     endpoint: str  # host:port of the receiver's KVTransfer service
@@ -89,7 +125,8 @@ class KVTicket:
     model_fingerprint: str
     num_tokens: int
     host_id: str = ""
-    shared_cache: str = ""  # the receiver's cache for same-host senders (shm.py); "" when none
+    # the receiver's cache for same-host senders, one entry per rank (shm.py); () when none
+    shared_caches: tuple[RankCache, ...] = ()
     pair_store: str = ""  # host:port of its TCPStore for torch.distributed pairs; "" when none
     timeout_s: float = 30.0
     local_control: str = ""  # its host-local control socket (local_control.py); "" when none
@@ -103,7 +140,7 @@ class KVTicket:
             model_fingerprint=self.model_fingerprint,
             num_tokens=self.num_tokens,
             host_id=self.host_id,
-            shared_cache=self.shared_cache,
+            shared_caches=[c.to_proto() for c in self.shared_caches],
             pair_store=self.pair_store,
             timeout_s=self.timeout_s,
             local_control=self.local_control,
@@ -119,7 +156,7 @@ class KVTicket:
             msg.model_fingerprint,
             msg.num_tokens,
             msg.host_id,
-            msg.shared_cache,
+            tuple(RankCache.from_proto(c) for c in msg.shared_caches),
             msg.pair_store,
             msg.timeout_s,
             msg.local_control,

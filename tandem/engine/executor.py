@@ -80,6 +80,11 @@ class Executor:
         of the model (here, the runner's own caches)."""
         return list(self.runner.kv_caches)
 
+    def rank_kv_files(self) -> list[str]:
+        """Once `kv_view` ran: the /dev/shm files of ranks 1..'s caches, which another process
+        of the host maps by path (shared_kv.py); none for one device, or for ranks on GPUs."""
+        return []
+
     def close(self) -> None:
         """Release what runs the steps beside this process (nothing here)."""
 
@@ -106,6 +111,9 @@ class TPExecutor(Executor):
         """Every rank's heads, the others' caches mapped into this process (kv_view.py)."""
         caches = self.ranks.kv_caches(list(self.runner.kv_caches))
         return list(whole_cache(caches, self.whole_config))
+
+    def rank_kv_files(self) -> list[str]:
+        return [file.path for file in self.ranks.kv_files]
 
     def close(self) -> None:
         self.ranks.stop()

@@ -24,6 +24,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.planes import DataPlane
 from kv_transfer.state import TransferStatus
+from kv_transfer.ticket import RankCache
 from kv_transfer.wire import layer_message, parse_chunk
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -210,7 +211,7 @@ def test_ticket_proto_round_trip() -> None:
         model_fingerprint="abc123",
         num_tokens=11,
         host_id="host/boot",
-        shared_cache="/dev/shm/tandem-kv-x",
+        shared_caches=(RankCache("/dev/shm/tandem-kv-x", 0, 1), RankCache("/dev/shm/y", 1, 1)),
         pair_store="10.0.0.2:6000",
         timeout_s=2.5,
     )

@@ -1,14 +1,17 @@
 """KV transfer between workers of different tensor-parallel sizes, and a TP worker's liveness.
 
 SmolLM2-135M (3 KV heads): prefill at TP 3 -> decode at TP 1 and TP 1 -> TP 3, on the gRPC,
-shared-memory and pair planes, give the colocated TP 1 engine's greedy tokens (float32). The wire
-carries the whole model's heads whatever the TP sizes, so what cannot be converted is another
-model's layout: it fails on both sides with a typed error before any byte moves, and leaves no
-block held. The workers run in this process (their other ranks are processes), so a
-test reads rank 0's block bookkeeping directly; the other ranks keep no bookkeeping.
+shared-memory and pair planes, give the colocated TP 1 engine's greedy tokens (float32); a TP 3
+decode worker's ticket lists its three ranks' shared caches, and a same-host sender left to choose
+("auto") writes into them (shm). The wire carries the whole model's heads whatever the TP sizes,
+so what cannot be converted is another model's layout: it fails on both sides with a typed error
+before any byte moves, and leaves no block held. The workers run in this process (their other
+ranks are processes), so a test reads rank 0's block bookkeeping directly; the other ranks keep
+no bookkeeping.
 
 The tiny model (4 heads, 2 KV heads) at P TP 2 -> D TP 4 and P TP 4 -> D TP 2: at TP 4 each KV
-head lives on two ranks (replicated), and the output is still the TP 1 engine's.
+head lives on two ranks (replicated, and written to both on shm), and the output is still the
+TP 1 engine's.
 
 A decode worker at TP 2 (tiny model) whose rank 1 is killed mid-decode: the request ends with an
 error, the worker leaves the registry within its TTL and reports itself lost.
@@ -29,7 +32,7 @@ import torch
 from decode_worker.decode_core import DecodeWorker, OutputStream
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
-from prefill_worker.prefill_core import PrefillWorker
+from prefill_worker.prefill_core import PrefillResult, PrefillWorker
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, TransferConfig, WorkerConfig
 from tandem.engine.engine_core import EngineCore
@@ -90,18 +93,18 @@ def workers(smollm2_path: Path) -> Iterator[dict[str, PrefillWorker | DecodeWork
 
 def _transfer(
     prefill: PrefillWorker, decode: DecodeWorker, rid: str, channel: str, prompt: list[int]
-) -> tuple[OutputStream, Exception | None]:
-    """One request through `decode` and `prefill` on `channel`; the prefill side's error."""
+) -> tuple[OutputStream, PrefillResult | Exception]:
+    """One request through `decode` and `prefill` on `channel`; the prefill side's outcome."""
     prefill.sender.channel = channel
     ticket_future, stream = decode.reserve(rid, prompt, GREEDY)
     ticket = ticket_future.result(WAIT_S)
     assert isinstance(ticket, KVTicket)
+    assert len(ticket.shared_caches) == decode.engine.config.model.tensor_parallel_size
     result = prefill.submit(rid, prompt, GREEDY, ticket)
     try:
-        result.result(WAIT_S)
+        return stream, result.result(WAIT_S)
     except Exception as e:
         return stream, e
-    return stream, None
 
 
 def _no_block_held(*ws: PrefillWorker | DecodeWorker) -> None:
@@ -120,6 +123,7 @@ def _no_block_held(*ws: PrefillWorker | DecodeWorker) -> None:
         (("P3", "D1"), "grpc"),
         (("P1", "D3"), "grpc"),
         (("P3", "D1"), "shm"),
+        (("P1", "D3"), "auto"),  # picks shm: the same host
         (("P3", "D1"), "pair"),
         (("P1", "D3"), "pair"),
     ],
@@ -132,22 +136,26 @@ def test_greedy_tokens_across_tp_sizes(
 ) -> None:
     prefill, decode = workers[sides[0]], workers[sides[1]]
     assert isinstance(prefill, PrefillWorker) and isinstance(decode, DecodeWorker)
-    stream, error = _transfer(prefill, decode, f"{'-'.join(sides)}-{channel}", channel, PROMPT)
-    assert error is None
+    stream, outcome = _transfer(prefill, decode, f"{'-'.join(sides)}-{channel}", channel, PROMPT)
+    assert isinstance(outcome, PrefillResult), outcome
+    assert outcome.data_plane == (channel if channel != "auto" else "shm")
     assert stream.tokens() == reference
     _no_block_held(prefill, decode)
 
 
+@pytest.mark.parametrize("channel", ["grpc", "shm"])
 def test_unconvertible_layout_fails_both_sides(
-    workers: dict[str, PrefillWorker | DecodeWorker], tiny_llama_path: Path
+    workers: dict[str, PrefillWorker | DecodeWorker], tiny_llama_path: Path, channel: str
 ) -> None:
-    """The tiny model's 2 KV heads and 2 layers into SmolLM2's at TP 3."""
+    """The tiny model's 2 KV heads and 2 layers into SmolLM2's at TP 3 (on shm, into its
+    ranks' caches, opened before the header is refused: nothing is written)."""
     decode = workers["D3"]
     assert isinstance(decode, DecodeWorker)
     prefill = PrefillWorker(EngineConfig.create(str(tiny_llama_path), **OPTIONS))
     prefill.start()
     try:
-        stream, error = _transfer(prefill, decode, "bad-layout", "grpc", list(range(5, 40)))
+        rid = f"bad-layout-{channel}"
+        stream, error = _transfer(prefill, decode, rid, channel, list(range(5, 40)))
         assert isinstance(error, TransferError) and error.cause == FailureCause.BAD_METADATA
         with pytest.raises(TransferError) as decode_error:
             stream.tokens()
@@ -160,7 +168,7 @@ def test_unconvertible_layout_fails_both_sides(
 
 @pytest.mark.parametrize("sides", [(2, 4), (4, 2)])
 def test_replicated_kv_heads_across_tp_sizes(tiny_llama_path: Path, sides: tuple[int, int]) -> None:
-    """Both network planes between one pair of workers (shm needs a decode worker of one rank)."""
+    """Every plane between one pair of workers."""
     prompt = list(range(5, 42))
     fail = TransferConfig(on_failure="fail")
     with ThreadPoolExecutor(2) as pool:
@@ -171,9 +179,10 @@ def test_replicated_kv_heads_across_tp_sizes(tiny_llama_path: Path, sides: tuple
         prefill.start()
         decode.start()
         reference = _colocated(tiny_llama_path, prompt)
-        for channel in ("grpc", "pair"):
-            stream, error = _transfer(prefill, decode, f"tiny-{sides}-{channel}", channel, prompt)
-            assert error is None
+        for channel in ("grpc", "pair", "shm"):
+            stream, outcome = _transfer(prefill, decode, f"tiny-{sides}-{channel}", channel, prompt)
+            assert isinstance(outcome, PrefillResult), outcome
+            assert outcome.data_plane == channel
             assert stream.tokens() == reference
             _no_block_held(prefill, decode)
     finally:

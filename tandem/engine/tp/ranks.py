@@ -13,9 +13,11 @@ if rank 0 dies, the others' wait ends with a closed connection and they exit.
 
 A worker's rank 0 also sends, between steps, a keep-alive at most every KEEPALIVE_S
 (`keep_alive`), and reads the ranks' KV cache tensors once (`kv_caches`, for its KV transfer:
-kv_view.py): each rank moves its cache into shared memory and leaves its handles (pickled by
-torch.multiprocessing) in the store; `healthy` says whether every rank is alive and the group
-unbroken.
+kv_view.py): each rank moves its cache into shared memory and leaves in the store what maps it:
+on the CPU a named file in /dev/shm (`SharedKVFile`, which a same-host prefill worker maps too, so
+it writes a request's KV into every rank's cache: kv_transfer/shm.py; rank 0 unlinks the files
+when it stops the ranks), on GPUs the tensors' CUDA IPC handles (pickled by
+torch.multiprocessing); `healthy` says whether every rank is alive and the group unbroken.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tandem.config import EngineConfig
 from tandem.engine.dtypes import model_device
 from tandem.engine.runner import ModelInput, ModelRunner, StepResult
 from tandem.engine.scheduler import SchedulerOutput
+from tandem.engine.shared_kv import SharedKVFile, move_into_shared_file
 from tandem.engine.tp.group import HOST, TPGroup
 from tandem.engine.tp.step import (
     KEEPALIVE,
@@ -197,7 +200,8 @@ class Ranks:
         self.handles = handles
         self._store = store  # the ranks' rendezvous and KV hand-over; kept while they run
         self._last_sent = time.monotonic()  # of the last keep-alive
-        self._finalizer = weakref.finalize(self, _stop, group, handles)
+        self.kv_files: list[SharedKVFile] = []  # ranks 1..'s CPU caches, once `kv_caches` ran
+        self._finalizer = weakref.finalize(self, _stop, group, handles, self.kv_files)
 
     @classmethod
     def start(
@@ -248,10 +252,12 @@ class Ranks:
     def kv_caches(self, own: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """Rank r's KV cache tensors (per layer) at [r], rank 0's being `own`: the others'
         mapped into this process (shared memory, CUDA IPC). Call between steps, at the start:
-        a rank moves its CPU cache into shared memory first (a copy of its KV budget)."""
+        a rank moves its CPU cache into shared memory first (a copy of its KV budget), whose
+        files `kv_files` then lists in rank order."""
         send_control(self.group, SHARE_KV)
         shared = [pickle.loads(self._store.get(_kv_key(r))) for r in range(1, self.group.size)]
-        return [own, *shared]
+        self.kv_files[:] = [f for f in shared if isinstance(f, SharedKVFile)]
+        return [own, *(f.map() if isinstance(f, SharedKVFile) else f for f in shared)]
 
     def stop(self) -> None:
         """Stop the ranks (once)."""
@@ -261,6 +267,7 @@ class Ranks:
         """Kill the ranks without a word to them (they may be stuck in a collective)."""
         self._finalizer.detach()
         _kill(self.handles)
+        _unlink(self.kv_files)
 
 
 def rank_main(
@@ -288,12 +295,13 @@ def _kv_key(rank: int) -> str:
 
 
 def _share_kv(store: dist.Store, rank: int, caches: list[torch.Tensor]) -> None:
-    """Rank `rank`'s caches into shared memory, their handles into the store for rank 0
-    (pickled as torch.multiprocessing does: a file descriptor or shared-memory file per storage,
-    as the process's sharing strategy says; a CUDA IPC handle on a GPU)."""
-    for cache in caches:
-        cache.share_memory_()
-    handles = bytes(ForkingPickler.dumps(caches))
+    """Rank `rank`'s caches into shared memory, what maps them into the store for rank 0: on
+    the CPU the caches move into a named file (`SharedKVFile`); on a GPU their CUDA IPC handles
+    (pickled as torch.multiprocessing does)."""
+    if caches[0].device.type == "cpu":
+        handles = pickle.dumps(move_into_shared_file(caches))
+    else:
+        handles = bytes(ForkingPickler.dumps(caches))
     store.set(_kv_key(rank), handles)  # type: ignore[arg-type]  # bytes: the stubs say str
 
 
@@ -311,7 +319,7 @@ def _await_started(store: dist.Store, handles: list[RankHandle]) -> None:
         time.sleep(START_POLL_S)
 
 
-def _stop(group: TPGroup, handles: list[RankHandle]) -> None:
+def _stop(group: TPGroup, handles: list[RankHandle], kv_files: list[SharedKVFile]) -> None:
     if not group.broken:  # else some rank is dead or stuck in a collective: kill them all
         # A rank already gone cannot take the message; the join below then finds it dead.
         with contextlib.suppress(RuntimeError):
@@ -319,6 +327,13 @@ def _stop(group: TPGroup, handles: list[RankHandle]) -> None:
         for handle in handles:
             handle.join(JOIN_SECONDS)
     _kill(handles)
+    _unlink(kv_files)
+
+
+def _unlink(kv_files: list[SharedKVFile]) -> None:
+    """The ranks' cache files (their mappings stay valid until dropped)."""
+    for file in kv_files:
+        file.unlink()
 
 
 def _kill(handles: list[RankHandle]) -> None:
