@@ -40,7 +40,8 @@ seeded random prompt of `tokens` tokens and pushes its KV, the decode worker adm
 decodes `decode_tokens` more tokens. The workers run at each (prefill TP, decode TP) of
 `exposed_tp` in turn (default TP 1 -> 1, 3 -> 1 and 1 -> 3: the prefill side's ranks' heads
 assembled into one decode cache, or one cache's heads split over three decode ranks; a TP
-worker's ranks share the side's `threads`; a decode worker of several ranks has no shm plane).
+worker's ranks share the side's `threads`; on shm the sender writes each decode rank's heads into
+that rank's shared cache).
 Exposed = decode admission - the prefill's first token, both
 wall clocks of one host (`DecodeWorker.transfer_metrics.exposed_s`). The decode step it is compared
 with is the same request's TPOT at batch 1 (context = the prompt), stamped as its chunks leave the
@@ -81,7 +82,6 @@ from tandem.bench.transfer_config import (
     STARTUP_TIMEOUT_S,
     Devices,
     TransferBenchConfig,
-    exposed_channels_of,
     plan_devices,
     reference_of,
 )
@@ -134,7 +134,7 @@ def run_transfer_bench(
     exposed = [
         (tp, channel)
         for tp in (devices.exposed_tp if config.exposed_tokens else ())
-        for channel in exposed_channels_of(devices, tp)
+        for channel in devices.exposed_channels
     ]
     units = (len(devices.channels) + len(references)) * (
         1 + config.reps * len(config.prompt_tokens)
@@ -315,7 +315,7 @@ def _exposed_samples(
             sample = {"tp": list(tp), "channel": channel, "stream": stream, "tokens": n}
             return sample | prefill | decode
 
-        for channel in exposed_channels_of(devices, tp):
+        for channel in devices.exposed_channels:
             progress.update(task, description=f"exposed {sizes}, {channel}: loading prefill")
             p.call("open", channel, timeout_s=STARTUP_TIMEOUT_S)
             for stream in (True, False):

@@ -159,9 +159,3 @@ def channel_label(channel: str, device_type: str, tp: tuple[int, int] = (1, 1)) 
     if channel == "pair":
         label = "pair (nccl)" if device_type == "cuda" else "pair (gloo)"
     return label if tp == (1, 1) else f"{label}, P TP {tp[0]} -> D TP {tp[1]}"
-
-
-def exposed_channels_of(devices: Devices, tp: tuple[int, int]) -> tuple[str, ...]:
-    """The exposed-time channels workers of these TP sizes run: a decode worker of several ranks
-    has no shared-memory cache (a ticket names one file), so not shm."""
-    return tuple(c for c in devices.exposed_channels if c != "shm" or tp[1] == 1)

@@ -15,7 +15,6 @@ from tandem.bench.transfer_config import (
     Devices,
     TransferBenchConfig,
     channel_label,
-    exposed_channels_of,
     reference_of,
     target_of,
 )
@@ -77,7 +76,7 @@ def summarize_exposed(
     cases = [
         (tp, channel, n, stream)
         for tp in devices.exposed_tp
-        for channel in exposed_channels_of(devices, tp)
+        for channel in devices.exposed_channels
         for n in config.exposed_tokens
         for stream in (True, False)
     ]

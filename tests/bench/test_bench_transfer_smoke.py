@@ -98,18 +98,19 @@ def test_bench_transfer_smoke(tiny_llama_path: Path, tmp_path: Path) -> None:
     assert all(s["data_plane"] == s["what"] for s in res["samples"] if "data_plane" in s)
 
     rows = report["exposed"]["rows"]
-    # a decode worker of two ranks has no shm plane
-    cases = [((1, 1), c) for c in ("pair", "grpc", "shm")] + [((1, 2), c) for c in ("pair", "grpc")]
+    # into a decode worker of two ranks on shm too: each rank's shared cache written its heads
+    cases = [(tp, c) for tp in ((1, 1), (1, 2)) for c in ("pair", "grpc", "shm")]
     assert [(tuple(r["tp"]), r["channel"], r["stream"]) for r in rows] == [
         (tp, c, s) for tp, c in cases for s in (True, False)
     ]
-    assert rows[-1]["label"] == "grpc, P TP 1 -> D TP 2"
+    assert rows[-1]["label"] == "shm, P TP 1 -> D TP 2"
+    assert all(s["data_plane"] == s["channel"] for s in report["exposed"]["samples"])
     for row in rows:
         assert row["tokens"] == 48
         assert row["exposed_s"]["median"] > 0 and row["decode_step_s"]["median"] > 0
         assert row["prefill_s"]["median"] > 0
         assert (row["pass"] is None) == (not row["stream"])
     assert all(s["n_out"] == 3 for s in report["exposed"]["samples"])
-    assert len(report["targets"]) == 6 + 5
+    assert len(report["targets"]) == 6 + 6
     text = console.file.getvalue()  # type: ignore[attr-defined]
     assert "KV transfer throughput" in text and "exposed transfer time" in text
