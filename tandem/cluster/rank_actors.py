@@ -5,8 +5,8 @@ group (the worker actor, rank 0, holds bundle 0).
 actor, placed in bundle r with exactly that bundle's resources (one GPU on GPU nodes, the
 worker's CPUs on CPU ones), and meets rank 0 on the loopback store rank 0 opened, so a TP
 worker's bundles are packed on one node (`PoolSpec.placement_strategy`: STRICT_PACK). Rank 0
-maps the ranks' CPU caches through shared-memory files (torch.multiprocessing's file_system
-strategy: a rank actor is no child of rank 0, so it cannot pass it file descriptors).
+maps the ranks' CPU caches by their named files in /dev/shm (tandem/engine/shared_kv.py: a rank
+actor is no child of rank 0, and a same-host prefill worker maps them too).
 
 Lifetime: an actor lives as long as its rank's `run` (the engine's `close` stops the ranks and
 kills their actors) and never outlives its worker: the worker actor owns it (Ray kills owned
@@ -20,7 +20,6 @@ from typing import Any
 
 import ray
 import torch
-import torch.multiprocessing
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -32,7 +31,6 @@ class RankActor:
 
     def run(self, args: RankArgs) -> None:
         """The rank until rank 0 stops it."""
-        torch.multiprocessing.set_sharing_strategy("file_system")
         rank_main(*args)
 
 
