@@ -24,7 +24,7 @@ from kv_transfer.layout import (
 )
 from kv_transfer.planes import DataPlane
 from kv_transfer.state import TransferStatus
-from kv_transfer.ticket import RankCache
+from kv_transfer.ticket import RankCache, check_listing
 from kv_transfer.wire import layer_message, parse_chunk
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -221,6 +221,15 @@ def test_ticket_proto_round_trip() -> None:
     assert KVTicket.from_proto(pb.KVTicket.FromString(minimal.to_proto().SerializeToString())) == (
         minimal
     )
+
+
+def test_a_rank_listing_must_cover_the_heads_within_the_model() -> None:
+    """A TP 4 worker of 2 KV heads lists each head on two ranks; a gap or an overreach is named."""
+    check_listing([RankCache(f"/r{r}", r // 2, 1) for r in range(4)], 2)
+    with pytest.raises(ValueError, match=r"no rank holds KV heads \[1\]"):
+        check_listing([RankCache("/a", 0, 1), RankCache("/b", 0, 1)], 2)
+    with pytest.raises(ValueError, match=r"shared_caches\[1\]: heads 1..2 outside"):
+        check_listing([RankCache("/a", 0, 1), RankCache("/b", 1, 2)], 2)
 
 
 def test_a_ticket_with_an_unknown_dtype_is_refused() -> None:
