@@ -413,7 +413,10 @@ class KVSender:
         same_host = bool(ticket.shared_caches) and ticket.host_id == host_id()
         if want == "shm" or (want == "auto" and same_host):
             if not same_host:
-                raise TransferError(FailureCause.SETUP, "the receiver has no reachable shm cache")
+                why = "the receiver is on another host"
+                if not ticket.shared_caches:  # e.g. tensor-parallel on GPUs: decode_core.py
+                    why = "the receiver lists no shared cache"
+                raise TransferError(FailureCause.SETUP, f"no shm plane: {why}")
             try:
                 return ShmPlane(self.shm.view(ticket), ticket)
             except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a CUDA IPC open
