@@ -22,6 +22,7 @@ has ended. Cancelling the request's id ends every choice; a choice's own id ends
 
 from __future__ import annotations
 
+import functools
 import queue
 import time
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from decode_worker.rank_receivers import RankReceivers, serve_rank
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
 from kv_transfer.shm import SharedCache, can_share, create_shared_cache, listing
 from kv_transfer.state import FailureCause
@@ -40,7 +42,8 @@ from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
-from tandem.engine.tp.ranks import RankLauncher
+from tandem.engine.tp.kv_view import KVLayer, rank_heads
+from tandem.engine.tp.ranks import RankLauncher, RankLink
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams, choice_request_id
 
@@ -123,12 +126,29 @@ class DecodeWorker(EngineLoop):
                 return self.shm.kv_caches
 
             engine.runner.use_kv_caches(share)
-        view = engine.executor.kv_view()
+        executor = engine.executor
+        fingerprint = model_fingerprint(executor.model_config, engine.model_path)
+        num_kv_heads = executor.model_config.num_kv_heads
+        links: list[RankLink] = []
+        if transfer.per_rank and tensor_parallel:  # each rank receives its own heads
+            tp = config.model.tensor_parallel_size
+            heads = rank_heads(executor.model_config, tp)
+            view: list[KVLayer] = list(engine.runner.kv_caches)  # rank 0's own heads
+            service = functools.partial(
+                serve_rank, fingerprint, host, enable_pairs, shared_memory, heads, num_kv_heads
+            )
+            links = executor.start_rank_service(service)
+        else:  # rank 0 receives every head (under TP, into its view of every rank's cache)
+            view = executor.kv_view()
         shared = ()
         if self.shm is not None:
-            shared = listing(view, [self.shm.locator, *engine.executor.rank_kv_files()])
-        fingerprint = model_fingerprint(engine.executor.model_config, engine.model_path)
-        self.receiver = KVReceiver(view, fingerprint, host, port, shared, enable_pairs)
+            locators = [self.shm.locator, *([] if links else executor.rank_kv_files())]
+            shared = listing(view, locators)
+        whole = num_kv_heads if links else 0  # rank 0 holds some of the model's heads
+        receiver = KVReceiver(
+            view, fingerprint, host, port, shared, enable_pairs, num_kv_heads=whole
+        )
+        self.receiver = RankReceivers(receiver, links)
         self.arrivals = engine.executor.arrivals(self.receiver, engine.scheduler)
         self.transfer = transfer
         self.transfer_metrics = TransferMetrics()

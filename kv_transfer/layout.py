@@ -43,7 +43,7 @@ import torch
 
 from tandem.engine import native
 from tandem.engine.kv_quant import copy_slots, decode, encode, select_slots
-from tandem.engine.tp.kv_view import HeadShards, KVLayer
+from tandem.engine.tp.kv_view import HeadShards, HeadWindow, KVLayer
 
 
 def slot_mapping(
@@ -174,6 +174,9 @@ def gather_tokens(
     if isinstance(cache, HeadShards):  # each rank's heads, joined in head order
         parts = [gather_tokens(c, slots.to(c.device)).to(cache.device) for c in cache.distinct()]
         return torch.cat(parts, dim=2, out=out) if out is not None else torch.cat(parts, dim=2)
+    if isinstance(cache, HeadWindow):  # the rank's rows, then the window's heads of them
+        heads = gather_tokens(cache.cache, slots)[:, :, cache.first : cache.first + cache.count]
+        return out.copy_(heads) if out is not None else heads.contiguous()
     if cache.device.type == "cpu":
         rows = rows_of(cache)
         target = None if out is None else out.view(torch.uint8).numpy().reshape(-1).view(rows.dtype)
@@ -297,6 +300,8 @@ def plan_layer_copy(
 
 
 def _tensors(layer: KVLayer) -> tuple[torch.Tensor, ...]:
+    if isinstance(layer, HeadWindow):
+        return _tensors(layer.cache)
     return layer.caches if isinstance(layer, HeadShards) else (layer,)
 
 
@@ -329,6 +334,13 @@ def scatter_tokens(cache: KVLayer, slots: torch.Tensor, tokens: torch.Tensor) ->
     tokens = tokens.to(cache.device)
     if tokens.dtype != cache.dtype:
         tokens = encode(decode(tokens, torch.float32), cache.dtype)
+    if isinstance(cache, HeadWindow):  # the window's heads of the slots, in place
+        whole = cache.cache
+        if not isinstance(whole, torch.Tensor):
+            raise TypeError("a window is written into one rank's cache")
+        flat = whole.view(2, -1, *whole.shape[3:])[:, :, cache.first : cache.first + cache.count]
+        copy_slots(flat, 1, slots, tokens)
+        return
     if cache.device.type == "cpu":
         scatter_rows(cache, slots, 0, as_bytes(tokens))
         return

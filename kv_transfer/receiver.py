@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -40,14 +40,14 @@ from kv_transfer.state import (
     TransferStatus,
     push_status,
 )
-from kv_transfer.ticket import KVLayout, KVTicket, RankCache, check_listing, host_id
+from kv_transfer.ticket import DecodeRank, KVLayout, KVTicket, RankCache, check_listing, host_id
 from kv_transfer.wire import (
     SERVICE,
     parse_chunk,
     tensor_from_proto,
 )
 from tandem.config import GRPC_OPTIONS
-from tandem.engine.tp.kv_view import KVLayer
+from tandem.engine.tp.kv_view import KVLayer, head_window
 from tandem.messages import logprobs_from_proto
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -82,8 +82,19 @@ class Arrival:
 
 
 class _Reservation:
-    def __init__(self, ticket: KVTicket, slots: torch.Tensor) -> None:
+    def __init__(
+        self,
+        ticket: KVTicket,
+        slots: torch.Tensor,
+        kv_caches: Sequence[KVLayer],
+        heads: range,
+        parent: _Reservation | None = None,
+    ) -> None:
         self.ticket = ticket
+        self.kv_caches = kv_caches  # where its stream writes
+        self.heads = heads  # the model's KV heads its stream carries
+        self.parent = parent  # the request's reservation, of which this is one stream's part
+        self.parts: list[_Reservation] = []  # the streams of a per-rank transfer, by heads
         self.status = TransferStatus(time.monotonic() + ticket.timeout_s)
         self.status.advance(TransferState.WAITING_FOR_INPUT)
         self.slots = slots  # [num_tokens] cache slots of the reserved blocks
@@ -107,13 +118,28 @@ class _Reservation:
         with self.lock:
             self.writable = False
 
+    def renew(self, seconds: float) -> None:
+        self.status.renew(seconds)
+        if self.parent is not None:
+            self.parent.status.renew(seconds)
+
+    def quiet(self, now: float) -> bool:
+        """Nothing writes into its blocks any more (as far as its own stream goes)."""
+        stream_done = not self.stream_open or self.reader_done.is_set()
+        return stream_done and now >= self.release_at
+
 
 class KVReceiver:
     """Receives requests' prompt KV into this process's paged KV cache.
 
     `kv_caches` are the engine's per-layer tensors (those of a `SharedKVCache` when the engine
     computes in one, so same-host senders can write directly: then `shared_caches` lists it, one
-    entry per rank of a tensor-parallel engine, `shm.listing`)."""
+    entry per rank of a tensor-parallel engine, `shm.listing`).
+
+    One rank of a tensor-parallel decode worker that receives its own heads (a per-rank
+    transfer) has `kv_caches` of its heads, `first_head` on, of the model's `num_kv_heads`: a
+    reservation then takes one stream per prefill rank that sends it heads, each writing its
+    heads (`TransferHeader.first_head`, `num_heads`), and is done once they cover the rank's."""
 
     def __init__(
         self,
@@ -126,12 +152,17 @@ class KVReceiver:
         max_pairs: int = 64,
         max_streams: int = 128,
         local_control: bool = True,
+        first_head: int = 0,
+        num_kv_heads: int = 0,
     ) -> None:
         self.kv_caches = kv_caches
-        self.layout = KVLayout.of(kv_caches)
+        own = KVLayout.of(kv_caches)
+        self.heads = range(first_head, first_head + own.num_kv_heads)  # the model's it holds
+        self.layout = replace(own, num_kv_heads=num_kv_heads or own.num_kv_heads)  # the model's
         self.model_fingerprint = model_fingerprint
         self.host = host
-        check_listing(shared_caches, self.layout.num_kv_heads)
+        if len(self.heads) == self.layout.num_kv_heads:  # a rank's own entry lists its heads
+            check_listing(shared_caches, self.layout.num_kv_heads)
         self.shared_caches = tuple(shared_caches)
         self.pairs = PairHost(host, max_pairs) if enable_pairs else None
         self._reservations: dict[str, _Reservation] = {}
@@ -156,10 +187,27 @@ class KVReceiver:
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def target(self) -> DecodeRank:
+        """This receiver as a ticket lists a decode rank (per-rank transfer)."""
+        return DecodeRank(
+            self.heads.start,
+            len(self.heads),
+            self.endpoint,
+            self.pairs.address if self.pairs is not None else "",
+            self._local.address if self._local is not None else "",
+            self.shared_caches[0].locator if self.shared_caches else "",
+        )
+
     def expect(
-        self, request_key: str, block_ids: list[int], num_tokens: int, timeout_s: float = 30.0
+        self,
+        request_key: str,
+        block_ids: list[int],
+        num_tokens: int,
+        timeout_s: float = 30.0,
+        ranks: Sequence[DecodeRank] = (),
     ) -> KVTicket:
-        """Reserve: KV for `num_tokens` tokens will arrive into `block_ids`; returns the ticket."""
+        """Reserve: KV for `num_tokens` tokens will arrive into `block_ids`; returns the ticket
+        (listing `ranks`, the decode ranks of a per-rank transfer, when given)."""
         if num_tokens < 1:
             raise ValueError(f"a transfer moves at least one token, got num_tokens={num_tokens}")
         if num_tokens > len(block_ids) * self.layout.block_size:
@@ -176,13 +224,16 @@ class KVReceiver:
             pair_store=self.pairs.address if self.pairs is not None else "",
             timeout_s=timeout_s,
             local_control=self._local.address if self._local is not None else "",
+            ranks=tuple(ranks),
         )
         device = self.kv_caches[0].device
         slots = slot_mapping(block_ids, self.layout.block_size, num_tokens, device)
         with self._lock:
             if request_key in self._reservations:
                 raise ValueError(f"a reservation for {request_key!r} already exists")
-            self._reservations[request_key] = _Reservation(ticket, slots)
+            self._reservations[request_key] = _Reservation(
+                ticket, slots, self.kv_caches, self.heads
+            )
         return ticket
 
     def cancel(self, request_key: str) -> None:
@@ -193,14 +244,9 @@ class KVReceiver:
         if res is None:
             return
         with res.lock:
-            res.cancelled = True
-            open_stream = res.stream_open
-            if res.arrival.data_plane != "shm":
-                res.writable = False
-        if open_stream:
-            res.replies.put(pb.PushReply(kind=pb.PushReply.CANCELLED))
-        else:
-            res.fail(FailureCause.CANCELLED, "the request was aborted before its KV arrived")
+            parts = list(res.parts)
+        for r in (res, *parts):
+            _stop(r, "the request was aborted before its KV arrived")
 
     def poll(self) -> list[Arrival]:
         """Reservations that became final and whose blocks are quiet, each reported once."""
@@ -210,15 +256,53 @@ class KVReceiver:
             items = list(self._reservations.items())
         for key, res in items:
             if not res.stream_open and res.status.expired():
-                res.fail(FailureCause.TIMEOUT, "no sender arrived before the ticket's deadline")
-            quiet = not res.stream_open or res.reader_done.is_set()
-            if res.status.state.final and quiet and now >= res.release_at:
+                why = "no sender arrived before the ticket's deadline"
+                if res.parts:
+                    why = "the streams of every head did not arrive before the deadline"
+                res.fail(FailureCause.TIMEOUT, why)
+            with res.lock:  # no part is added once it is final (_claim)
+                parts = list(res.parts)
+            if parts:
+                self._settle(res, parts)
+            quiet = all(r.quiet(now) for r in (res, *parts))
+            if res.status.state.final and quiet:
                 with self._lock:
                     del self._reservations[key]
                 res.arrival.state = res.status.state
                 res.arrival.error = res.status.error
                 done.append(res.arrival)
         return done
+
+    def _settle(self, res: _Reservation, parts: list[_Reservation]) -> None:
+        """A reservation taken by several streams (by heads): failed as soon as one of them
+        fails (the others are stopped: they write no more), done when they all are and cover
+        this rank's heads."""
+        failed = [p.status.error for p in parts if p.status.error is not None]
+        if failed:
+            real = [e for e in failed if e.cause != FailureCause.CANCELLED] or failed
+            res.fail_with(real[0])
+        elif all(p.status.state == TransferState.SUCCESS for p in parts) and sorted(
+            h for p in parts for h in p.heads
+        ) == list(self.heads):
+            a = res.arrival
+            trailer = next((p for p in parts if p.heads.start == 0), parts[0]).arrival
+            for name in (
+                "first_token",
+                "logprobs",
+                "prompt_logprobs",
+                "extras",
+                "first_token_unix",
+                "fork_first_tokens",
+                "data_plane",
+            ):
+                setattr(a, name, getattr(trailer, name))
+            a.nbytes = sum(p.arrival.nbytes for p in parts)
+            a.header_time = min(p.arrival.header_time or 0.0 for p in parts)
+            a.done_time = max(p.arrival.done_time for p in parts)
+            res.status.advance(TransferState.SUCCESS)
+        if res.status.state == TransferState.FAILED:
+            for part in parts:
+                _stop(part, "another stream of the transfer failed")
 
     def __len__(self) -> int:
         return len(self._reservations)
@@ -255,19 +339,51 @@ class KVReceiver:
             problem = f"unknown pair {header.pair_id!r}"
         elif header.data_plane not in (pb.DATA_PLANE_GRPC, pb.DATA_PLANE_PAIR, pb.DATA_PLANE_SHM):
             problem = f"unknown data plane {header.data_plane}"
+        heads = range(self.layout.num_kv_heads)
+        if header.num_heads:  # one stream of a per-rank transfer: these heads
+            heads = range(header.first_head, header.first_head + header.num_heads)
+        problem = problem or self._heads_problem(res, heads)
         if problem is not None:
             res.fail(FailureCause.BAD_METADATA, problem)
             raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, problem)
         with res.lock:
             if res.cancelled or res.stream_open or res.status.state.final:
                 raise _Reject(grpc.StatusCode.ABORTED, "the request was cancelled or is taken")
-            res.stream_open = True
-            res.arrival.data_plane = (
+            stream = res
+            if header.num_heads:
+                first = heads.start - self.heads.start
+                own = [c for c in self.kv_caches if isinstance(c, torch.Tensor)]  # all: checked
+                caches = head_window(own, first, len(heads))
+                stream = _Reservation(res.ticket, res.slots, caches, heads, res)
+                stream.status.deadline = res.status.deadline
+                res.parts.append(stream)
+                layout = replace(layout, num_kv_heads=len(heads))
+            stream.stream_open = True
+            stream.arrival.data_plane = (
                 pb.DataPlane.Name(header.data_plane).removeprefix("DATA_PLANE_").lower()
             )
-            res.arrival.header_time = time.monotonic()
+            stream.arrival.header_time = time.monotonic()
         res.status.advance(TransferState.TRANSFERRING)
-        return res, layout
+        if stream is not res:
+            stream.status.advance(TransferState.TRANSFERRING)
+        return stream, layout
+
+    def _heads_problem(self, res: _Reservation, heads: range) -> str | None:
+        """Why a stream of `heads` cannot write into this receiver's reservation `res`."""
+        if heads.start < self.heads.start or heads.stop > self.heads.stop or not heads:
+            return (
+                f"KV heads {heads.start}..{heads.stop - 1}: this rank holds "
+                f"{self.heads.start}..{self.heads.stop - 1}"
+            )
+        if len(heads) == self.layout.num_kv_heads:
+            return None
+        if not isinstance(self.kv_caches[0], torch.Tensor):
+            return "this worker takes every head in one stream (its ranks' caches are joined)"
+        with res.lock:
+            taken = {h for p in res.parts for h in p.heads}
+        if taken & set(heads):
+            return f"KV heads {heads.start}..{heads.stop - 1} are already being sent"
+        return None
 
     def push(
         self, requests: Iterator[bytes], context: grpc.ServicerContext
@@ -384,7 +500,7 @@ class KVReceiver:
                 raise TransferError(FailureCause.BAD_METADATA, str(e)) from e
             part = chunk.WhichOneof("part")
             if part == "keepalive":  # the prefill worker still holds the request, unstarted
-                res.status.renew(res.ticket.timeout_s)
+                res.renew(res.ticket.timeout_s)
                 continue
             if part == "layer":
                 sink.add(chunk.layer, data, res.status.deadline)
@@ -416,7 +532,7 @@ class KVReceiver:
         raise TransferError(FailureCause.PEER_LOST, f"stream ended after {sink.layers_done} layers")
 
     def _sink(self, res: _Reservation, header: pb.TransferHeader, layout: KVLayout) -> LayerSink:
-        args = (self.kv_caches, res, layout, header.num_tokens)
+        args = (res.kv_caches, res, layout, header.num_tokens)
         if header.data_plane == pb.DATA_PLANE_GRPC:
             return GrpcSink(*args)
         if header.data_plane == pb.DATA_PLANE_SHM:
@@ -425,6 +541,22 @@ class KVReceiver:
         if pair is None:
             raise TransferError(FailureCause.PEER_LOST, "the pair was closed")
         return PairSink(*args, pair, header.tag_base)
+
+
+def _stop(res: _Reservation, why: str) -> None:
+    """Stop the reservation's stream (CANCELLED to its sender, which stops; the reader then
+    fails it), or fail it at once when no stream is open. Once."""
+    with res.lock:
+        if res.cancelled:
+            return
+        res.cancelled = True
+        open_stream = res.stream_open
+        if res.arrival.data_plane != "shm":
+            res.writable = False
+    if open_stream:
+        res.replies.put(pb.PushReply(kind=pb.PushReply.CANCELLED))
+    else:
+        res.fail(FailureCause.CANCELLED, why)
 
 
 class _Reject(Exception):

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import replace
 
 import grpc
 import torch
@@ -43,7 +44,7 @@ from kv_transfer.state import (
 from kv_transfer.ticket import KVLayout, KVTicket, host_id
 from kv_transfer.wire import PUSH_METHOD, tensor_to_proto
 from tandem.config import GRPC_OPTIONS
-from tandem.engine.tp.kv_view import KVLayer
+from tandem.engine.tp.kv_view import KVLayer, head_window
 from tandem.messages import logprobs_to_proto
 from tandem.outputs import TokenLogprobs
 from tandem.v1 import kv_transfer_pb2 as pb
@@ -74,11 +75,18 @@ class OutboundTransfer:
         ticket: KVTicket,
         kv_caches: Sequence[KVLayer],
         call_timeout_s: float | None = None,
+        heads: range | None = None,
+        num_kv_heads: int = 0,
     ) -> None:
         self.sender = sender
         self.ticket = ticket
         self.kv_caches = kv_caches
-        self.layout = KVLayout.of(kv_caches)
+        self.layout = KVLayout.of(kv_caches)  # of the heads it sends
+        # A stream of a per-rank transfer: which of the model's `num_kv_heads` it carries.
+        self.heads = heads
+        self.model_layout = replace(
+            self.layout, num_kv_heads=num_kv_heads or self.layout.num_kv_heads
+        )
         self.started = time.monotonic()
         self.status = TransferStatus(self.started + ticket.timeout_s)
         # The stream's own deadline: the request's, when renewals may outlast the ticket's.
@@ -175,7 +183,7 @@ class OutboundTransfer:
 
     def _run(self) -> None:
         try:
-            plane = self.sender.choose_plane(self.ticket, self.kv_caches[0].device)
+            plane = self.sender.choose_plane(self.ticket, self.kv_caches[0].device, self.heads)
             self.plane_name = pb.DataPlane.Name(plane.kind).removeprefix("DATA_PLANE_").lower()
             self.status.advance(TransferState.WAITING_FOR_INPUT)
             self._call = self.sender.open_call(
@@ -239,11 +247,13 @@ class OutboundTransfer:
     def _requests(self, plane: DataPlane) -> Iterator[bytes]:
         header = pb.TransferHeader(
             request_key=self.ticket.request_key,
-            layout=self.layout.to_proto(),
+            layout=self.model_layout.to_proto(),
             model_fingerprint=self.sender.model_fingerprint,
             num_tokens=self.ticket.num_tokens,
             data_plane=plane.kind,  # type: ignore[arg-type]
         )
+        if self.heads is not None:
+            header.first_head, header.num_heads = self.heads.start, len(self.heads)
         plane.fill_header(header)
         yield pb.KVChunk(header=header).SerializeToString()
         if not self._accepted.wait(max(self.status.remaining(), 0)) or self.status.state.final:
@@ -373,7 +383,8 @@ class KVSender:
         self.fallbacks = 0  # shared caches, pairs or local sockets not opened (another one went)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
-        self._transfers: dict[str, OutboundTransfer] = {}
+        # by id(): a request has several streams in a per-rank transfer
+        self._transfers: dict[int, OutboundTransfer] = {}
         self._closing: list[grpc.Future] = []  # ClosePair calls not known to be done
 
     def begin(
@@ -381,13 +392,17 @@ class KVSender:
         ticket: KVTicket,
         kv_caches: Sequence[KVLayer],
         call_timeout_s: float | None = None,
+        heads: range | None = None,
+        num_kv_heads: int = 0,
     ) -> OutboundTransfer:
         """Start a transfer from this worker's `kv_caches` as the ticket asks; the layers follow
         (`set_source`, `layer_ready`, `finish`), after `renew()`s while the request waits here.
-        `call_timeout_s` bounds the stream whatever the renewals (default: the ticket's timeout)."""
-        transfer = OutboundTransfer(self, ticket, kv_caches, call_timeout_s)
+        `call_timeout_s` bounds the stream whatever the renewals (default: the ticket's timeout).
+        `heads`: one stream of a per-rank transfer, carrying these of the model's `num_kv_heads`
+        (`kv_caches` holds them) into the decode rank the ticket names (`KVTicket.for_rank`)."""
+        transfer = OutboundTransfer(self, ticket, kv_caches, call_timeout_s, heads, num_kv_heads)
         with self._lock:
-            self._transfers[ticket.request_key] = transfer
+            self._transfers[id(transfer)] = transfer
         return transfer
 
     def poll(self) -> list[OutboundTransfer]:
@@ -397,18 +412,22 @@ class KVSender:
         with self._lock:
             done = [t for t in self._transfers.values() if t.finished]
             for t in done:
-                del self._transfers[t.ticket.request_key]
+                del self._transfers[id(t)]
         return done
 
     def __len__(self) -> int:
         """Transfers begun and not yet reported by poll()."""
         return len(self._transfers)
 
-    def choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
-        plane = self._choose_plane(ticket, device)
+    def choose_plane(
+        self, ticket: KVTicket, device: torch.device, heads: range | None = None
+    ) -> DataPlane:
+        plane = self._choose_plane(ticket, device, heads)
         return self.wrap_plane(plane) if self.wrap_plane is not None else plane
 
-    def _choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
+    def _choose_plane(
+        self, ticket: KVTicket, device: torch.device, heads: range | None
+    ) -> DataPlane:
         want = self.channel
         same_host = bool(ticket.shared_caches) and ticket.host_id == host_id()
         if want == "shm" or (want == "auto" and same_host):
@@ -418,7 +437,7 @@ class KVSender:
                     why = "the receiver lists no shared cache"
                 raise TransferError(FailureCause.SETUP, f"no shm plane: {why}")
             try:
-                return ShmPlane(self.shm.view(ticket), ticket)
+                return ShmPlane(self._shared_targets(ticket, heads), ticket)
             except (OSError, ValueError, RuntimeError) as e:  # RuntimeError: a CUDA IPC open
                 if want == "shm":
                     why = f"cannot open the receiver's shared cache: {e}"
@@ -434,6 +453,18 @@ class KVSender:
             except Exception as e:
                 self._fell_back(f"no {backend} pair with {ticket.endpoint} ({e}); using gRPC")
         return GrpcPlane(self.chunk_bytes)
+
+    def _shared_targets(self, ticket: KVTicket, heads: range | None) -> list[KVLayer]:
+        """The receiver's shared cache as this transfer writes it: all of it, or, for a stream
+        of `heads`, those heads of the one decode rank the ticket lists."""
+        if heads is None:
+            return self.shm.view(ticket)
+        (rank,) = ticket.shared_caches
+        if heads.start < rank.first_head or heads.stop > rank.first_head + rank.num_heads:
+            raise ValueError(f"the decode rank does not hold KV heads {heads}")
+        layout = replace(ticket.layout, num_kv_heads=rank.num_heads)
+        caches = self.shm.get(rank.locator, layout).kv_caches
+        return head_window(caches, heads.start - rank.first_head, len(heads))
 
     def _fell_back(self, why: str) -> None:
         with self._lock:

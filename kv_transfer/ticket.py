@@ -14,7 +14,7 @@ import hashlib
 import json
 import socket
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -117,6 +117,38 @@ def check_listing(caches: Sequence[RankCache], num_kv_heads: int) -> None:
 
 
 @dataclass(frozen=True)
+class DecodeRank:
+    """One rank of a tensor-parallel decode worker that receives its own heads (a per-rank
+    transfer): the model's KV heads it holds (`num_heads` from `first_head`) and its endpoints,
+    as a ticket's `endpoint`, `pair_store`, `local_control` and `shared_caches` name rank 0's."""
+
+    first_head: int
+    num_heads: int
+    endpoint: str
+    pair_store: str = ""
+    local_control: str = ""
+    shared_cache: str = ""  # its cache's locator (shm.py); "" when it shares none
+
+    def to_proto(self) -> pb.DecodeRank:
+        return pb.DecodeRank(**asdict(self))
+
+    @classmethod
+    def from_proto(cls, msg: pb.DecodeRank) -> DecodeRank:
+        return cls(
+            msg.first_head,
+            msg.num_heads,
+            msg.endpoint,
+            msg.pair_store,
+            msg.local_control,
+            msg.shared_cache,
+        )
+
+    @property
+    def heads(self) -> range:
+        return range(self.first_head, self.first_head + self.num_heads)
+
+
+@dataclass(frozen=True)
 class KVTicket:
     request_key: str
     endpoint: str  # host:port of the receiver's KVTransfer service
@@ -130,6 +162,34 @@ class KVTicket:
     pair_store: str = ""  # host:port of its TCPStore for torch.distributed pairs; "" when none
     timeout_s: float = 30.0
     local_control: str = ""  # its host-local control socket (local_control.py); "" when none
+    # per-rank transfer: each decode rank's heads and endpoints, rank 0 first; () when rank 0
+    # receives every head
+    ranks: tuple[DecodeRank, ...] = ()
+
+    def decode_ranks(self) -> tuple[DecodeRank, ...]:
+        """The decode ranks a per-rank sender sends to: `ranks`, or the receiver itself as one
+        rank holding every head."""
+        if self.ranks:
+            return self.ranks
+        heads, caches = self.layout.num_kv_heads, self.shared_caches
+        locator = caches[0].locator if len(caches) == 1 and caches[0].num_heads == heads else ""
+        return (DecodeRank(0, heads, self.endpoint, self.pair_store, self.local_control, locator),)
+
+    def for_rank(self, rank: int) -> KVTicket:
+        """The ticket as one stream into decode rank `rank` sees it: that rank's endpoints (and
+        its shared cache, listed with its heads), the same blocks, layout and deadline."""
+        target = self.decode_ranks()[rank]
+        caches: tuple[RankCache, ...] = ()
+        if target.shared_cache:
+            caches = (RankCache(target.shared_cache, target.first_head, target.num_heads),)
+        return replace(
+            self,
+            endpoint=target.endpoint,
+            shared_caches=caches,
+            pair_store=target.pair_store,
+            local_control=target.local_control,
+            ranks=(),
+        )
 
     def to_proto(self) -> pb.KVTicket:
         return pb.KVTicket(
@@ -144,6 +204,7 @@ class KVTicket:
             pair_store=self.pair_store,
             timeout_s=self.timeout_s,
             local_control=self.local_control,
+            ranks=[r.to_proto() for r in self.ranks],
         )
 
     @classmethod
@@ -160,6 +221,7 @@ class KVTicket:
             msg.pair_store,
             msg.timeout_s,
             msg.local_control,
+            tuple(DecodeRank.from_proto(r) for r in msg.ranks),
         )
 
 

@@ -17,6 +17,7 @@ A request's life here:
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from concurrent.futures import Future
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from kv_transfer import KVSender, KVTicket, OutboundTransfer, TransferError
 from kv_transfer.ticket import model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
+from prefill_worker.rank_senders import RankSenders, RankTransfer, serve_rank
 from tandem.config import (
     EngineConfig,
     TransferConfig,
@@ -35,7 +37,8 @@ from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
-from tandem.engine.tp.ranks import RankLauncher
+from tandem.engine.tp.kv_view import KVLayer, rank_heads
+from tandem.engine.tp.ranks import RankLauncher, RankLink
 from tandem.sampling_params import SamplingParams
 
 
@@ -77,14 +80,27 @@ class PrefillWorker(EngineLoop):
         stream_layers = transfer.stream_layers
         engine = EngineCore(config, PrefillRole(self, stream_layers), launcher)
         super().__init__(engine, "prefill-loop")
-        self.fingerprint = model_fingerprint(engine.executor.model_config, engine.model_path)
-        self.kv_caches = engine.executor.kv_view()  # every rank's heads under TP
+        executor = engine.executor
+        self.fingerprint = model_fingerprint(executor.model_config, engine.model_path)
         self.sender = sender or KVSender(
             self.fingerprint, host, transfer.channel, pair_idle_s=transfer.pair_idle_s
         )
+        tp = engine.config.model.tensor_parallel_size
+        links: list[RankLink] = []
+        if transfer.per_rank and tp > 1:  # each rank sends its own heads: rank 0's cache here
+            self.kv_caches: list[KVLayer] = list(engine.runner.kv_caches)
+            service = functools.partial(
+                serve_rank, self.fingerprint, host, transfer.channel, transfer.pair_idle_s
+            )
+            links = executor.start_rank_service(service)
+            heads = rank_heads(executor.model_config, tp)
+        else:  # rank 0 sends every head (under TP, its view of every rank's cache)
+            self.kv_caches = executor.kv_view()
+            heads = [range(executor.model_config.num_kv_heads)]
+        self.outbound = RankSenders(self.sender, links, heads, len(self.kv_caches))
         self.stream_layers = stream_layers
         self.transfer_metrics = TransferMetrics()
-        self._transfers: dict[str, OutboundTransfer] = {}
+        self._transfers: dict[str, OutboundTransfer | RankTransfer] = {}
         self._futures: dict[str, Future[PrefillResult]] = {}
         self._prefill_done: dict[str, float] = {}
         self._submitted: dict[str, float] = {}
@@ -122,7 +138,7 @@ class PrefillWorker(EngineLoop):
                 return
             self._futures[request_id] = result
             self._submitted[request_id] = submitted
-            self._transfers[request_id] = self.sender.begin(ticket, self.kv_caches, time_left_s)
+            self._transfers[request_id] = self.outbound.begin(ticket, self.kv_caches, time_left_s)
 
         self.call(add)
         return result
@@ -174,7 +190,7 @@ class PrefillWorker(EngineLoop):
         for key, transfer in self._transfers.items():
             if key not in self._sourced and key not in self._prefill_done:
                 transfer.renew()  # still queued, or its earlier chunks computing
-        for transfer in self.sender.poll():
+        for transfer in self.outbound.poll():
             key = transfer.ticket.request_key
             self.engine.abort(key, RequestStatus.FINISHED_PREFILLED)  # frees the blocks
             self._transfers.pop(key, None)

@@ -40,7 +40,16 @@ from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import TARGET_VOCAB_METHODS
 from tandem.engine.tp.group import TPGroup
 from tandem.engine.tp.kv_view import KVLayer, whole_cache
-from tandem.engine.tp.ranks import LOAD_TIMEOUT, RankLauncher, Ranks, ShareKV, TPModelRunner
+from tandem.engine.tp.ranks import (
+    LOAD_TIMEOUT,
+    RankLauncher,
+    RankLink,
+    Ranks,
+    RankService,
+    RunService,
+    ShareKV,
+    TPModelRunner,
+)
 from tandem.engine.tp.shard import check_tensor_parallel
 from tandem.engine.tp.vocab import gather_whole_vocab
 from tandem.model_config import ModelConfig, load_config
@@ -85,6 +94,11 @@ class Executor:
         of the host maps by path (shared_kv.py); none for one device, or for ranks on GPUs."""
         return []
 
+    def start_rank_service(self, service: RankService) -> list[RankLink]:
+        """Run a worker's `service` in each rank 1.. over the rank's own KV cache (ranks.py);
+        none here: one device."""
+        return []
+
     def close(self) -> None:
         """Release what runs the steps beside this process (nothing here)."""
 
@@ -114,6 +128,9 @@ class TPExecutor(Executor):
 
     def rank_kv_files(self) -> list[str]:
         return [file.path for file in self.ranks.kv_files]
+
+    def start_rank_service(self, service: RankService) -> list[RankLink]:
+        return self.ranks.start_service(service)
 
     def close(self) -> None:
         self.ranks.stop()
@@ -191,13 +208,19 @@ def load_rank(config: EngineConfig, model_path: Path, tp: TPGroup | None) -> Exe
     return Executor(model, runner, num_blocks)
 
 
-def serve_rank(config: EngineConfig, model_path: Path, tp: TPGroup, share_kv: ShareKV) -> None:
+def serve_rank(
+    config: EngineConfig,
+    model_path: Path,
+    tp: TPGroup,
+    share_kv: ShareKV,
+    run_service: RunService,
+) -> None:
     """A rank other than 0: load its shard, meet the others, run rank 0's steps until stopped."""
     runner = load_rank(config, model_path, tp).runner
     assert isinstance(runner, TPModelRunner)
     tp.barrier(LOAD_TIMEOUT)
     gather_drafter_vocab(config, runner)
-    runner.serve(share_kv)
+    runner.serve(share_kv, run_service)
 
 
 def gather_drafter_vocab(config: EngineConfig, runner: TPModelRunner) -> None:

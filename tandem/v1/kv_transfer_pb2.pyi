@@ -34,7 +34,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTicket(_message.Message):
-    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_caches", "pair_store", "timeout_s", "local_control")
+    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_caches", "pair_store", "timeout_s", "local_control", "ranks")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class KVTicket(_message.Message):
     PAIR_STORE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     endpoint: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +58,24 @@ class KVTicket(_message.Message):
     pair_store: str
     timeout_s: float
     local_control: str
-    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_caches: _Optional[_Iterable[_Union[RankCache, _Mapping]]] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ..., local_control: _Optional[str] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[DecodeRank]
+    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_caches: _Optional[_Iterable[_Union[RankCache, _Mapping]]] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ..., local_control: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[DecodeRank, _Mapping]]] = ...) -> None: ...
+
+class DecodeRank(_message.Message):
+    __slots__ = ("first_head", "num_heads", "endpoint", "pair_store", "local_control", "shared_cache")
+    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    PAIR_STORE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CACHE_FIELD_NUMBER: _ClassVar[int]
+    first_head: int
+    num_heads: int
+    endpoint: str
+    pair_store: str
+    local_control: str
+    shared_cache: str
+    def __init__(self, first_head: _Optional[int] = ..., num_heads: _Optional[int] = ..., endpoint: _Optional[str] = ..., pair_store: _Optional[str] = ..., local_control: _Optional[str] = ..., shared_cache: _Optional[str] = ...) -> None: ...
 
 class RankCache(_message.Message):
     __slots__ = ("locator", "first_head", "num_heads")
@@ -90,7 +108,7 @@ class CudaIpcCache(_message.Message):
     def __init__(self, device_uuid: _Optional[str] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
 
 class TransferHeader(_message.Message):
-    __slots__ = ("request_key", "layout", "model_fingerprint", "num_tokens", "data_plane", "pair_id", "tag_base")
+    __slots__ = ("request_key", "layout", "model_fingerprint", "num_tokens", "data_plane", "pair_id", "tag_base", "first_head", "num_heads")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +116,8 @@ class TransferHeader(_message.Message):
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     PAIR_ID_FIELD_NUMBER: _ClassVar[int]
     TAG_BASE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
     request_key: str
     layout: KVLayout
     model_fingerprint: str
@@ -105,7 +125,9 @@ class TransferHeader(_message.Message):
     data_plane: DataPlane
     pair_id: str
     tag_base: int
-    def __init__(self, request_key: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., pair_id: _Optional[str] = ..., tag_base: _Optional[int] = ...) -> None: ...
+    first_head: int
+    num_heads: int
+    def __init__(self, request_key: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., pair_id: _Optional[str] = ..., tag_base: _Optional[int] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class LayerChunk(_message.Message):
     __slots__ = ("layer", "offset", "data", "num_layers")

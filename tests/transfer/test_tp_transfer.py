@@ -99,7 +99,8 @@ def _transfer(
     ticket_future, stream = decode.reserve(rid, prompt, GREEDY)
     ticket = ticket_future.result(WAIT_S)
     assert isinstance(ticket, KVTicket)
-    assert len(ticket.shared_caches) == decode.engine.config.model.tensor_parallel_size
+    tp = decode.engine.config.model.tensor_parallel_size
+    assert len(ticket.ranks or ticket.shared_caches) == tp
     result = prefill.submit(rid, prompt, GREEDY, ticket)
     try:
         return stream, result.result(WAIT_S)
@@ -234,3 +235,29 @@ def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
         server.stop()
         server.worker.engine.close()
         registry.close()
+
+
+@pytest.mark.parametrize("sides", [(2, 4), (4, 2)])
+def test_per_rank_replicated_kv_heads(tiny_llama_path: Path, sides: tuple[int, int]) -> None:
+    """Per-rank transfer, every plane: each decode rank receives its own bytes."""
+    prompt = list(range(5, 42))
+    per_rank = TransferConfig(on_failure="fail", per_rank=True)
+    with ThreadPoolExecutor(2) as pool:
+        p = pool.submit(PrefillWorker, _config(tiny_llama_path, sides[0]), transfer=per_rank)
+        d = pool.submit(DecodeWorker, _config(tiny_llama_path, sides[1]), transfer=per_rank)
+        prefill, decode = p.result(), d.result()
+    try:
+        prefill.start()
+        decode.start()
+        reference = _colocated(tiny_llama_path, prompt)
+        for channel in ("grpc", "pair", "shm"):
+            stream, outcome = _transfer(prefill, decode, f"rank-{sides}-{channel}", channel, prompt)
+            assert isinstance(outcome, PrefillResult), outcome
+            assert stream.tokens() == reference
+            _no_block_held(prefill, decode)
+        print(decode.receiver.rank_bytes, prefill.outbound.rank_bytes)
+        assert all(decode.receiver.rank_bytes)
+    finally:
+        for worker in (prefill, decode):
+            worker.close()
+            worker.engine.close()

@@ -16,6 +16,7 @@ reads them is broadcast.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,12 @@ def first_kv_heads(cfg: ModelConfig, size: int) -> list[int]:
     if size <= cfg.num_kv_heads:
         return [r * heads for r in range(size)]
     return [r // (size // cfg.num_kv_heads) for r in range(size)]
+
+
+def rank_heads(cfg: ModelConfig, size: int) -> list[range]:
+    """The model's KV heads rank r holds, at [r], over `size` ranks (shard.py)."""
+    count = max(cfg.num_kv_heads // size, 1)
+    return [range(first, first + count) for first in first_kv_heads(cfg, size)]
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,47 @@ class HeadShards:
         return [seen[first] for first in sorted(seen)]
 
 
-KVLayer = torch.Tensor | HeadShards  # a layer of a worker's KV cache, as its transfer sees it
+@dataclass(frozen=True)
+class HeadWindow:
+    """Heads [first, first + count) of one rank's cache layer, shaped like a cache of `count`
+    heads: what one stream of a per-rank transfer reads or writes (the heads one prefill rank
+    sends one decode rank)."""
+
+    # [2, num_blocks, block_size, heads, slot_dim]; read only where it is rank 0's view of
+    # every rank (a prefill worker on the rank-0 path sending to a per-rank decode worker)
+    cache: torch.Tensor | HeadShards
+    first: int  # of the cache's own heads
+    count: int
+
+    @property
+    def shape(self) -> torch.Size:
+        c = self.cache
+        return torch.Size((*c.shape[:3], self.count, c.shape[4]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cache.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    def element_size(self) -> int:
+        return self.cache.element_size()
+
+
+# a layer of a worker's KV cache, as its transfer sees it
+KVLayer = torch.Tensor | HeadShards | HeadWindow
+
+
+def head_window(
+    layers: Sequence[torch.Tensor | HeadShards], first: int, count: int
+) -> list[KVLayer]:
+    """Heads [first, first + count) of each of a rank's cache layers: the tensors themselves
+    when that is all of their heads (the transfer's in-place row paths then apply)."""
+    if first == 0 and count == layers[0].shape[3]:
+        return list(layers)
+    return [HeadWindow(layer, first, count) for layer in layers]
 
 
 def whole_cache(rank_caches: list[list[torch.Tensor]], cfg: ModelConfig) -> list[HeadShards]:

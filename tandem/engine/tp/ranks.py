@@ -18,6 +18,11 @@ on the CPU a named file in /dev/shm (`SharedKVFile`, which a same-host prefill w
 it writes a request's KV into every rank's cache: kv_transfer/shm.py; rank 0 unlinks the files
 when it stops the ranks), on GPUs the tensors' CUDA IPC handles (pickled by
 torch.multiprocessing); `healthy` says whether every rank is alive and the group unbroken.
+
+A worker may instead run a service of its own in each rank 1.. (`start_service`: a per-rank KV
+transfer's receiver or sender over the rank's own cache, docs/kv_transfer.md): rank 0 sends it
+through the store, each rank starts it between steps and hands back what it returns; rank 0
+then gives it orders and reads its reports through a pair of `Mailbox`es per rank.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
@@ -44,8 +50,10 @@ from tandem.engine.runner import ModelInput, ModelRunner, StepResult
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.shared_kv import SharedKVFile, move_into_shared_file
 from tandem.engine.tp.group import HOST, TPGroup
+from tandem.engine.tp.mailbox import Mailbox
 from tandem.engine.tp.step import (
     KEEPALIVE,
+    RUN_SERVICE,
     SHARE_KV,
     STOP,
     StepMessage,
@@ -56,8 +64,39 @@ from tandem.engine.tp.vocab import TargetVocab, WholeVocab
 
 # How a rank hands rank 0 its KV cache tensors when asked (SHARE_KV).
 ShareKV = Callable[[list[torch.Tensor]], None]
+# How a rank starts rank 0's service (RUN_SERVICE) over its KV cache tensors.
+RunService = Callable[[list[torch.Tensor]], None]
 # What a rank runs once it has joined the group: load its shard, then serve steps.
-RankMain = Callable[[EngineConfig, Path, TPGroup, ShareKV], None]
+RankMain = Callable[[EngineConfig, Path, TPGroup, ShareKV, RunService], None]
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a worker's service gets in the rank it runs in (`Ranks.start_service`)."""
+
+    rank: int
+    size: int
+    kv_caches: list[torch.Tensor]  # the rank's own: its KV heads
+    orders: Mailbox  # from rank 0
+    reports: Mailbox  # to rank 0
+
+
+# A worker's service in each rank 1..: called once in the rank's process, it starts its threads
+# and returns what rank 0 learns of it (picklable); it must be picklable itself (a module's
+# function, or a partial of one).
+RankService = Callable[[RankContext], Any]
+
+
+@dataclass(frozen=True)
+class RankLink:
+    """Rank 0's end of its service in rank `rank`: what it returned, and the mailboxes."""
+
+    rank: int
+    started: Any
+    orders: Mailbox  # to the rank
+    reports: Mailbox  # from the rank
+
+
 JOIN_SECONDS = 10.0  # how long `stop` waits for a rank to exit before killing it
 # How long the ranks may take to start and load their shards (a rank that dies meanwhile fails
 # the start at once); the group's own timeout (`tp_timeout_s`) bounds the collectives of steps.
@@ -107,11 +146,14 @@ class TPModelRunner(ModelRunner):
             ) from e
 
     @torch.inference_mode()
-    def serve(self, share_kv: ShareKV) -> None:
-        """Run rank 0's steps until it stops the ranks; hand it the KV caches when asked."""
+    def serve(self, share_kv: ShareKV, run_service: RunService) -> None:
+        """Run rank 0's steps until it stops the ranks; hand it the KV caches, or start its
+        service over them, when asked."""
         while (step := StepMessage.receive(self.group)) != STOP:
             if step == SHARE_KV:
                 share_kv(self.kv_caches)
+            elif step == RUN_SERVICE:
+                run_service(self.kv_caches)
             elif step == KEEPALIVE:
                 acknowledge(self.group)
             if not isinstance(step, StepMessage):
@@ -259,6 +301,20 @@ class Ranks:
         self.kv_files[:] = [f for f in shared if isinstance(f, SharedKVFile)]
         return [own, *(f.map() if isinstance(f, SharedKVFile) else f for f in shared)]
 
+    def start_service(self, service: RankService) -> list[RankLink]:
+        """Have every rank 1.. run `service` (between steps, once) over its own KV cache;
+        their links in rank order. Raises what a rank's service raised."""
+        self._store.set(_SERVICE_KEY, pickle.dumps(service))  # type: ignore[arg-type]
+        send_control(self.group, RUN_SERVICE)
+        links = []
+        for rank in range(1, self.group.size):
+            started = pickle.loads(self._store.get(f"{_SERVICE_KEY}/{rank}"))
+            if isinstance(started, BaseException):
+                raise started
+            orders, reports = _mailboxes(self._store, rank)
+            links.append(RankLink(rank, started, orders, reports))
+        return links
+
     def stop(self) -> None:
         """Stop the ranks (once)."""
         self._finalizer()
@@ -287,11 +343,34 @@ def rank_main(
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     store.set(f"started/{rank}", "")
     group = TPGroup.join(store, rank, mc.tensor_parallel_size, device, mc.tp_timeout_s)
-    main(config, model_path, group, partial(_share_kv, store, rank))
+    service = partial(_run_service, port, rank, mc.tensor_parallel_size)
+    main(config, model_path, group, partial(_share_kv, store, rank), service)
 
 
 def _kv_key(rank: int) -> str:
     return f"kv/{rank}"
+
+
+_SERVICE_KEY = "service"
+
+
+def _mailboxes(store: dist.Store, rank: int) -> tuple[Mailbox, Mailbox]:
+    """Rank `rank`'s orders (from rank 0) and reports (to it)."""
+    name = f"{_SERVICE_KEY}/{rank}"
+    return Mailbox(store, f"{name}/orders"), Mailbox(store, f"{name}/reports")
+
+
+def _run_service(port: int, rank: int, size: int, caches: list[torch.Tensor]) -> None:
+    """Rank `rank`: start rank 0's service over `caches`, on a store connection of its own;
+    what it returns (or raises) goes back to rank 0."""
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
+    service: RankService = pickle.loads(store.get(_SERVICE_KEY))
+    orders, reports = _mailboxes(store, rank)
+    try:
+        started = service(RankContext(rank, size, caches, orders, reports))
+    except Exception as e:
+        started = e
+    store.set(f"{_SERVICE_KEY}/{rank}", pickle.dumps(started))  # type: ignore[arg-type]
 
 
 def _share_kv(store: dist.Store, rank: int, caches: list[torch.Tensor]) -> None:

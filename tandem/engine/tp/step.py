@@ -9,7 +9,8 @@ request's computed tokens, query length and block count, the block ids, the samp
 ranks' loop, KEEPALIVE proves the group alive while rank 0 is idle: every rank answers it in an
 all-reduce (`acknowledge`), so a dead or stopped rank fails it within the group's timeout (a
 worker heartbeats only while these succeed), SHARE_KV asks each rank for its KV cache
-tensors (a worker's KV transfer reads and writes them: `tandem/engine/tp/kv_view.py`).
+tensors (a worker's KV transfer reads and writes them: `tandem/engine/tp/kv_view.py`),
+RUN_SERVICE has each rank start the service the worker runs beside the model (ranks.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 from tandem.engine.attention import SeqSpec
 from tandem.engine.tp.group import TPGroup
 
-STOP, STEP, KEEPALIVE, SHARE_KV = 0, 1, 2, 3
-CONTROLS = (STOP, KEEPALIVE, SHARE_KV)
+STOP, STEP, KEEPALIVE, SHARE_KV, RUN_SERVICE = 0, 1, 2, 3, 4
+CONTROLS = (STOP, KEEPALIVE, SHARE_KV, RUN_SERVICE)
 HEADER_LEN = 6  # kind, tokens, requests, block ids, sampled rows, block copies
 # How long a rank waits for rank 0's next step (an idle engine sends none); a rank 0 that died
 # ends the wait at once (its connections close).

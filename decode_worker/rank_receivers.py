@@ -1,0 +1,214 @@
+"""A decode worker's per-rank KV transfer: each tensor-parallel rank receives its own KV heads.
+
+With `TransferConfig.per_rank`, a decode worker of several ranks runs a `KVReceiver` in every
+rank over the rank's own cache: rank 0's in the worker, rank d's in the service `serve_rank`
+starts in the rank's process (its own gRPC endpoint, pair store and host-local socket, and on
+the CPU its cache moved into a /dev/shm file that same-host senders map). Its tickets list every
+rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its heads, one
+stream per rank pair that share heads (kv_transfer/fanout.py).
+
+`RankReceivers` stands where the worker's receiver stood (`expect`, `cancel`, `poll`):
+- expect: every rank reserves the request's blocks (the same block ids: the block table is rank
+  0's) before rank 0 hands the ticket out, so no stream finds its rank unprepared;
+- poll: a request arrives once rank 0's reservation is done (its stream from prefill rank 0
+  carries the trailer) and every rank has acknowledged its own, done or failed with a cause.
+  The first failure on any rank cancels the reservation on every rank, and the request is
+  reported failed, its blocks freed, only once every rank has reported that nothing writes into
+  them any more (the receiver's rule, per rank).
+Orders and acknowledgements travel through the ranks' store (tandem/engine/tp/mailbox.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
+from kv_transfer.state import FailureCause
+from kv_transfer.ticket import RankCache
+from tandem.engine.shared_kv import move_into_shared_file, shm_available
+from tandem.engine.tp.ranks import RankContext, RankLink
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.005  # how long an idle rank waits for an order at a time
+ORDER_POLL_S = 0.002  # how often a rank with reservations looks for orders and arrivals
+EXPECT_TIMEOUT_S = 30.0  # how long rank 0 waits for the ranks to reserve a request's blocks
+
+
+def serve_rank(
+    fingerprint: str,
+    host: str,
+    enable_pairs: bool,
+    shared_memory: bool,
+    heads: list[range],
+    num_kv_heads: int,
+    ctx: RankContext,
+) -> tuple[object, str]:
+    """A decode rank 1..: a KV receiver over the rank's own cache (`heads[rank]` of the model's
+    `num_kv_heads`), driven by rank 0's orders; returns its ticket entry and its cache's
+    /dev/shm file ("" when it shares none)."""
+    mine = heads[ctx.rank]
+    path, shared = "", tuple[RankCache, ...]()
+    if shared_memory and ctx.kv_caches[0].device.type == "cpu" and shm_available():
+        path = move_into_shared_file(ctx.kv_caches).path
+        shared = (RankCache(path, mine.start, len(mine)),)
+    receiver = KVReceiver(
+        ctx.kv_caches,
+        fingerprint,
+        host,
+        0,
+        shared,
+        enable_pairs,
+        first_head=mine.start,
+        num_kv_heads=num_kv_heads,
+    )
+    threading.Thread(
+        target=_rank_loop, args=(receiver, ctx), name=f"kv-rank-{ctx.rank}-recv", daemon=True
+    ).start()
+    return receiver.target(), path
+
+
+def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
+    while True:
+        try:
+            order = ctx.orders.get()
+            if order is None:
+                time.sleep(ORDER_POLL_S if len(receiver) else IDLE_POLL_S)
+            else:
+                kind, key, *args = order
+                if kind == "expect":
+                    try:
+                        receiver.expect(key, *args)
+                        ctx.reports.put(("expected", key, None))
+                    except ValueError as e:
+                        ctx.reports.put(("expected", key, str(e)))
+                elif kind == "cancel":
+                    receiver.cancel(key)
+            for a in receiver.poll():
+                ctx.reports.put(("arrived", a.request_key, a.error, a.nbytes))
+        except Exception:  # a bad order fails its request (its deadline), not the others
+            log.exception("KV rank %d", ctx.rank)
+
+
+@dataclass
+class _Pending:
+    """A request's reservations on every rank, until each has ended."""
+
+    own: Arrival | None = None  # rank 0's
+    ranks: dict[int, tuple[TransferError | None, int]] = field(default_factory=dict)
+    cancelled: bool = False
+
+
+class RankReceivers:
+    """Rank 0's KV receiving: its `KVReceiver`, and the ranks' over `links` (the services
+    `serve_rank` runs in ranks 1..; none at TP 1 or on the rank-0 path)."""
+
+    def __init__(self, receiver: KVReceiver, links: list[RankLink]) -> None:
+        self.receiver = receiver
+        self.links = links
+        self.targets = (receiver.target(), *(link.started[0] for link in links))
+        self.files = [link.started[1] for link in links if link.started[1]]
+        self.rank_bytes = [0] * (1 + len(links))  # bytes each rank received, over its life
+        self._pending: dict[str, _Pending] = {}
+        self._expected: dict[tuple[str, int], str | None] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return self.receiver.endpoint
+
+    def __len__(self) -> int:
+        return len(self.receiver) if not self.links else len(self._pending)
+
+    def expect(
+        self, request_key: str, block_ids: list[int], num_tokens: int, timeout_s: float = 30.0
+    ) -> KVTicket:
+        """Reserve on every rank, then hand out the ticket that lists them all."""
+        if not self.links:
+            return self.receiver.expect(request_key, block_ids, num_tokens, timeout_s)
+        for link in self.links:
+            link.orders.put(("expect", request_key, block_ids, num_tokens, timeout_s))
+        problems = [self._await_expected(request_key, link) for link in self.links]
+        problem = next((p for p in problems if p is not None), None)
+        try:
+            ticket = self.receiver.expect(
+                request_key, block_ids, num_tokens, timeout_s, self.targets
+            )
+        except ValueError as e:
+            problem = problem or str(e)
+        if problem is not None:
+            self._order("cancel", request_key)
+            raise ValueError(problem)
+        self._pending[request_key] = _Pending()
+        return ticket
+
+    def _await_expected(self, key: str, link: RankLink) -> str | None:
+        deadline = time.monotonic() + EXPECT_TIMEOUT_S
+        while (key, link.rank) not in self._expected:
+            report = link.reports.get(max(deadline - time.monotonic(), 0.0))
+            if report is None:
+                raise RuntimeError(f"decode rank {link.rank} did not reserve {key!r} in time")
+            self._take(link.rank, report)
+        return self._expected.pop((key, link.rank))
+
+    def _take(self, rank: int, report: tuple[Any, ...]) -> None:
+        kind, key, *args = report
+        if kind == "expected":
+            self._expected[(key, rank)] = args[0]
+            return
+        error, nbytes = args
+        pending = self._pending.get(key)
+        if pending is not None:
+            pending.ranks[rank] = (error, nbytes)
+        if error is None:
+            self.rank_bytes[rank] += nbytes
+
+    def _order(self, kind: str, key: str) -> None:
+        for link in self.links:
+            link.orders.put((kind, key))
+
+    def cancel(self, request_key: str) -> None:
+        self.receiver.cancel(request_key)
+        pending = self._pending.get(request_key)
+        if pending is not None and not pending.cancelled:
+            pending.cancelled = True
+            self._order("cancel", request_key)
+
+    def poll(self) -> list[Arrival]:
+        """Requests whose reservations ended on every rank, each reported once."""
+        if not self.links:
+            return self.receiver.poll()
+        for a in self.receiver.poll():
+            if a.request_key in self._pending:
+                self._pending[a.request_key].own = a
+            if a.error is None:
+                self.rank_bytes[0] += a.nbytes
+        for link in self.links:
+            while (report := link.reports.get()) is not None:
+                self._take(link.rank, report)
+        done = []
+        for key, p in list(self._pending.items()):
+            errors = [e for e, _ in p.ranks.values() if e is not None]
+            if p.own is not None and p.own.error is not None:
+                errors.insert(0, p.own.error)
+            if errors:
+                self.cancel(key)
+            if p.own is None or len(p.ranks) < len(self.links):
+                continue
+            del self._pending[key]
+            a = p.own
+            if errors:
+                real = [e for e in errors if e.cause != FailureCause.CANCELLED] or errors
+                a.state, a.error = TransferState.FAILED, real[0]
+            a.nbytes += sum(n for _, n in p.ranks.values())
+            done.append(a)
+        return done
+
+    def close(self) -> None:
+        self.receiver.close()
+        for path in self.files:  # the ranks' caches (their mappings stay valid)
+            Path(path).unlink(missing_ok=True)

@@ -1,0 +1,315 @@
+"""A prefill worker's per-rank KV transfer: each tensor-parallel rank sends its own KV heads.
+
+`RankSenders` stands where the worker's `KVSender` stood (`begin`, `poll`). A ticket that lists
+decode ranks (`KVTicket.ranks`), or any ticket when this worker runs per-rank over several
+ranks, becomes a `RankTransfer`: one stream per (prefill rank, decode rank) pair that share
+heads (kv_transfer/fanout.py), each a transfer of its own on any data plane, into the decode
+rank's own endpoint. Any other ticket is one transfer, as ever (TP 1 into TP 1).
+
+Rank 0's streams run on its own `KVSender`; rank p's in the rank's own process, in the service
+this module starts there (`serve_rank`), which rank 0 drives through the ranks' store
+(tandem/engine/tp/mailbox.py): begin, source blocks, layers ready, finish, renew, abort. Layer l
+is in every rank's cache once rank 0's forward has passed layer l (each rank wrote its KV of
+layer l before the all-reduce that ends it), so rank 0 passes layer readiness on, after layers
+1, 2, 4, ... and the last (an order is a store round trip, on the forward's path). The trailer
+(first token, extras) rides rank 0's streams; the other ranks' streams end with a bare one (the
+decode side takes the trailer of the stream that carries head 0, always rank 0's). A transfer is
+done when every stream is (rank p reports once all of its streams are); it fails as soon as one
+stream fails (the others are aborted), and the worker frees the source blocks only once every
+rank has reported its streams stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kv_transfer import KVSender, KVTicket, OutboundTransfer
+from kv_transfer.fanout import RankStream, rank_streams
+from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
+from tandem.engine.tp.kv_view import HeadWindow, KVLayer, head_window
+from tandem.engine.tp.ranks import RankContext, RankLink
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.005  # how long an idle rank waits for an order at a time
+ORDER_POLL_S = 0.002  # how often a rank with streams in flight looks for orders and ends
+
+
+@dataclass(frozen=True)
+class _Stream:
+    """One stream of a rank: its decode rank's ticket, the heads, where they sit in its cache."""
+
+    ticket: KVTicket
+    heads: range
+    first: int  # of the heads in the rank's cache
+
+
+def serve_rank(
+    fingerprint: str, host: str, channel: str, pair_idle_s: float, ctx: RankContext
+) -> None:
+    """A prefill rank 1..: a KV sender over the rank's own cache, driven by rank 0's orders."""
+    sender = KVSender(fingerprint, host, channel, pair_idle_s=pair_idle_s)
+    threading.Thread(
+        target=_rank_loop, args=(sender, ctx), name=f"kv-rank-{ctx.rank}-send", daemon=True
+    ).start()
+
+
+def _rank_loop(sender: KVSender, ctx: RankContext) -> None:
+    transfers: dict[str, list[OutboundTransfer]] = {}
+    ended: dict[str, list[OutboundTransfer]] = {}
+    ready: dict[str, int] = {}  # layers passed to the streams: [0, ready)
+    while True:
+        try:
+            _rank_step(sender, ctx, transfers, ended, ready)
+        except Exception:  # a bad order fails its transfer (its deadline), not the others
+            log.exception("KV rank %d", ctx.rank)
+
+
+def _rank_step(
+    sender: KVSender,
+    ctx: RankContext,
+    transfers: dict[str, list[OutboundTransfer]],
+    ended: dict[str, list[OutboundTransfer]],
+    ready: dict[str, int],
+) -> None:
+    """Take the next order (or wait a moment), then report the requests whose streams ended."""
+    order = ctx.orders.get()
+    if order is None:
+        time.sleep(ORDER_POLL_S if transfers else IDLE_POLL_S)
+    else:
+        kind, key, *args = order
+        if kind == "begin":
+            streams, timeout_s, num_kv_heads = args
+            transfers[key] = [
+                sender.begin(
+                    s.ticket,
+                    head_window(ctx.kv_caches, s.first, len(s.heads)),
+                    timeout_s,
+                    s.heads,
+                    num_kv_heads,
+                )
+                for s in streams
+            ]
+            ended[key], ready[key] = [], 0
+        for t in transfers.get(key, []) if kind != "begin" else []:
+            if kind == "source":
+                t.set_source(args[0])
+            elif kind == "ready":
+                for layer in range(ready[key], args[0] + 1):
+                    t.layer_ready(layer)
+            elif kind == "finish":
+                t.finish(0)  # a bare trailer: the request's rides rank 0's streams
+            elif kind == "renew":
+                t.renew()
+            elif kind == "abort":
+                t.abort()
+        if kind == "ready" and key in ready:
+            ready[key] = max(ready[key], args[0] + 1)
+    for t in sender.poll():
+        ended[t.ticket.request_key].append(t)
+    for key in [k for k, ts in transfers.items() if len(ended[k]) == len(ts)]:
+        done = ended.pop(key)
+        del transfers[key], ready[key]
+        ctx.reports.put((key, _first_error(done), sum(t.nbytes for t in done)))
+
+
+def _first_error(transfers: Sequence[Any]) -> TransferError | None:
+    """The error that ended a set of streams: the first that is not a CANCELLED (which the
+    others get when one fails), else the first."""
+    errors = [t.status.error for t in transfers if t.status.error is not None]
+    return next(
+        (e for e in errors if e.cause != FailureCause.CANCELLED), errors[0] if errors else None
+    )
+
+
+class RankTransfer:
+    """One request's per-rank transfer as rank 0 drives it: what the prefill worker uses of an
+    `OutboundTransfer`."""
+
+    def __init__(
+        self,
+        ticket: KVTicket,
+        local: list[OutboundTransfer],
+        links: list[RankLink],
+        num_layers: int,
+    ) -> None:
+        self.ticket = ticket
+        self.local = local  # rank 0's streams
+        self.links = links  # the ranks with streams
+        self.num_layers = num_layers
+        self.started = time.monotonic()
+        self.status = TransferStatus(self.started + ticket.timeout_s)
+        self.nbytes = 0
+        self.done_time = 0.0
+        self.rank_bytes: dict[int, int] = {}  # bytes each rank sent, once it reported
+        self._ended: list[OutboundTransfer] = []
+        self._reports: dict[int, TransferError | None] = {}
+        self._renewed = self.started
+        self._aborted = False
+
+    @property
+    def first_token(self) -> int:
+        return self.local[0].first_token if self.local else -1
+
+    @property
+    def plane_name(self) -> str:
+        return self.local[0].plane_name if self.local else ""
+
+    def _order(self, kind: str, *args: Any) -> None:
+        for link in self.links:
+            link.orders.put((kind, self.ticket.request_key, *args))
+
+    def set_source(self, block_ids: list[int]) -> None:
+        for t in self.local:
+            t.set_source(block_ids)
+        self._order("source", block_ids)
+
+    def layer_ready(self, layer: int) -> None:
+        for t in self.local:
+            t.layer_ready(layer)
+        done = layer + 1
+        if done & (done - 1) == 0 or done == self.num_layers:  # 1, 2, 4, ... and the last
+            self._order("ready", layer)
+
+    def all_layers_ready(self) -> None:
+        for t in self.local:
+            t.all_layers_ready()
+        self._order("ready", self.num_layers - 1)
+
+    def finish(self, *trailer: Any) -> None:
+        for t in self.local:
+            t.finish(*trailer)
+        self._order("finish")
+
+    def renew(self) -> None:
+        for t in self.local:
+            t.renew()
+        now = time.monotonic()
+        if now - self._renewed >= self.ticket.timeout_s / 4:  # as a rank's streams send them
+            self._renewed = now
+            self._order("renew")
+
+    def abort(self) -> None:
+        if self._aborted:
+            return
+        self._aborted = True
+        for t in self.local:
+            t.abort()
+        self._order("abort")
+
+    def _settle(self) -> bool:
+        """Abort the rest once a stream failed; True once every stream has ended (the final
+        status set)."""
+        errors = [t.status.error for t in self._ended] + list(self._reports.values())
+        if any(e is not None for e in errors):
+            self.abort()
+        if len(self._ended) < len(self.local) or len(self._reports) < len(self.links):
+            return False
+        error = _first_error(self._ended) or next(
+            (
+                e
+                for e in self._reports.values()
+                if e is not None and e.cause != FailureCause.CANCELLED
+            ),
+            next((e for e in self._reports.values() if e is not None), None),
+        )
+        self.done_time = max([t.done_time for t in self._ended] + [time.monotonic()])
+        self.nbytes = sum(t.nbytes for t in self._ended) + sum(self.rank_bytes.values())
+        if error is not None:
+            self.status.fail(error)
+        else:
+            self.status.advance(TransferState.TRANSFERRING)
+            self.status.advance(TransferState.SUCCESS)
+        return True
+
+
+class RankSenders:
+    """Rank 0's KV sending: its `KVSender`, and per-rank transfers over `links` (the services
+    `serve_rank` runs in ranks 1..; none at TP 1 or on the rank-0 path)."""
+
+    def __init__(
+        self, sender: KVSender, links: list[RankLink], prefill_heads: list[range], num_layers: int
+    ) -> None:
+        self.sender = sender
+        self.links = links
+        self.prefill_heads = prefill_heads  # each rank's KV heads (one range: rank 0 holds all)
+        self.num_kv_heads = max(h.stop for h in prefill_heads)
+        self.num_layers = num_layers
+        self.rank_bytes = [0] * len(prefill_heads)  # bytes each rank sent, over its life
+        self._transfers: dict[str, RankTransfer] = {}
+        self._owner: dict[int, RankTransfer] = {}  # by id() of rank 0's streams
+
+    def begin(
+        self,
+        ticket: KVTicket,
+        kv_caches: Sequence[KVLayer],
+        call_timeout_s: float | None = None,
+    ) -> OutboundTransfer | RankTransfer:
+        """The ticket's transfer from this worker's `kv_caches` (rank 0's own, or its view of
+        every rank's heads on the rank-0 path): one stream into one receiver, or a
+        `RankTransfer`."""
+        if not ticket.ranks and not self.links:
+            return self.sender.begin(ticket, kv_caches, call_timeout_s)
+        decode = ticket.decode_ranks()
+        try:
+            streams = rank_streams(self.prefill_heads, [d.heads for d in decode])
+        except ValueError:  # another model: decode rank 0 refuses the header, nothing moves
+            streams = [RankStream(0, 0, self.prefill_heads[0])]
+        timeout = ticket.timeout_s if call_timeout_s is None else call_timeout_s
+        local = []
+        for s in streams:
+            if s.prefill_rank == 0:
+                caches = [c for c in kv_caches if not isinstance(c, HeadWindow)]
+                window = head_window(caches, s.heads.start, len(s.heads))
+                local.append(
+                    self.sender.begin(
+                        ticket.for_rank(s.decode_rank), window, timeout, s.heads, self.num_kv_heads
+                    )
+                )
+        links = []
+        for link in self.links:
+            first = self.prefill_heads[link.rank].start
+            mine = [
+                _Stream(ticket.for_rank(s.decode_rank), s.heads, s.heads.start - first)
+                for s in streams
+                if s.prefill_rank == link.rank
+            ]
+            if mine:
+                link.orders.put(("begin", ticket.request_key, mine, timeout, self.num_kv_heads))
+                links.append(link)
+        transfer = RankTransfer(ticket, local, links, self.num_layers)
+        self._transfers[ticket.request_key] = transfer
+        self._owner.update((id(t), transfer) for t in local)
+        return transfer
+
+    def poll(self) -> list[OutboundTransfer | RankTransfer]:
+        """Transfers that ended and whose source blocks no stream reads any more."""
+        done: list[OutboundTransfer | RankTransfer] = []
+        for t in self.sender.poll():
+            owner = self._owner.pop(id(t), None)
+            if owner is None:
+                done.append(t)
+            else:
+                owner._ended.append(t)
+                self.rank_bytes[0] += t.nbytes
+        for link in self.links:
+            while (report := link.reports.get()) is not None:
+                key, error, nbytes = report
+                self.rank_bytes[link.rank] += nbytes
+                transfer = self._transfers.get(key)
+                if transfer is not None:
+                    transfer._reports[link.rank] = error
+                    transfer.rank_bytes[link.rank] = nbytes
+        for key, transfer in list(self._transfers.items()):
+            if transfer._settle():
+                del self._transfers[key]
+                done.append(transfer)
+        return done
+
+    def __len__(self) -> int:
+        return len(self.sender) + len(self._transfers)
