@@ -67,6 +67,7 @@ def serve_rank(
         first_head=mine.start,
         num_kv_heads=num_kv_heads,
     )
+    ctx.closers.append(receiver.close)
     threading.Thread(
         target=_rank_loop, args=(receiver, ctx), name=f"kv-rank-{ctx.rank}-recv", daemon=True
     ).start()
@@ -74,7 +75,7 @@ def serve_rank(
 
 
 def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
-    while True:
+    while not ctx.stopping.is_set():
         try:
             order = ctx.orders.get()
             if order is None:

@@ -54,6 +54,7 @@ def serve_rank(
 ) -> None:
     """A prefill rank 1..: a KV sender over the rank's own cache, driven by rank 0's orders."""
     sender = KVSender(fingerprint, host, channel, pair_idle_s=pair_idle_s)
+    ctx.closers.append(sender.close)
     threading.Thread(
         target=_rank_loop, args=(sender, ctx), name=f"kv-rank-{ctx.rank}-send", daemon=True
     ).start()
@@ -63,7 +64,7 @@ def _rank_loop(sender: KVSender, ctx: RankContext) -> None:
     transfers: dict[str, list[OutboundTransfer]] = {}
     ended: dict[str, list[OutboundTransfer]] = {}
     ready: dict[str, int] = {}  # layers passed to the streams: [0, ready)
-    while True:
+    while not ctx.stopping.is_set():
         try:
             _rank_step(sender, ctx, transfers, ended, ready)
         except Exception:  # a bad order fails its transfer (its deadline), not the others

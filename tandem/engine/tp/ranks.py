@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from multiprocessing.reduction import ForkingPickler
@@ -79,6 +80,9 @@ class RankContext:
     kv_caches: list[torch.Tensor]  # the rank's own: its KV heads
     orders: Mailbox  # from rank 0
     reports: Mailbox  # to rank 0
+    # set when the rank stops (its loops end), before `closers` run (what the service opened)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    closers: list[Callable[[], None]] = field(default_factory=list)
 
 
 # A worker's service in each rank 1..: called once in the rank's process, it starts its threads
@@ -343,8 +347,15 @@ def rank_main(
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     store.set(f"started/{rank}", "")
     group = TPGroup.join(store, rank, mc.tensor_parallel_size, device, mc.tp_timeout_s)
-    service = partial(_run_service, port, rank, mc.tensor_parallel_size)
-    main(config, model_path, group, partial(_share_kv, store, rank), service)
+    started: list[RankContext] = []
+    service = partial(_run_service, port, rank, mc.tensor_parallel_size, started)
+    try:
+        main(config, model_path, group, partial(_share_kv, store, rank), service)
+    finally:
+        for ctx in started:  # its threads end, then what it opened closes
+            ctx.stopping.set()
+            for close in ctx.closers:
+                close()
 
 
 def _kv_key(rank: int) -> str:
@@ -360,17 +371,21 @@ def _mailboxes(store: dist.Store, rank: int) -> tuple[Mailbox, Mailbox]:
     return Mailbox(store, f"{name}/orders"), Mailbox(store, f"{name}/reports")
 
 
-def _run_service(port: int, rank: int, size: int, caches: list[torch.Tensor]) -> None:
-    """Rank `rank`: start rank 0's service over `caches`, on a store connection of its own;
-    what it returns (or raises) goes back to rank 0."""
+def _run_service(
+    port: int, rank: int, size: int, started: list[RankContext], caches: list[torch.Tensor]
+) -> None:
+    """Rank `rank`: start rank 0's service over `caches`, on a store connection of its own
+    (its context joins `started`); what it returns (or raises) goes back to rank 0."""
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     service: RankService = pickle.loads(store.get(_SERVICE_KEY))
     orders, reports = _mailboxes(store, rank)
+    ctx = RankContext(rank, size, caches, orders, reports)
+    started.append(ctx)
     try:
-        started = service(RankContext(rank, size, caches, orders, reports))
+        result = service(ctx)
     except Exception as e:
-        started = e
-    store.set(f"{_SERVICE_KEY}/{rank}", pickle.dumps(started))  # type: ignore[arg-type]
+        result = e
+    store.set(f"{_SERVICE_KEY}/{rank}", pickle.dumps(result))  # type: ignore[arg-type]
 
 
 def _share_kv(store: dist.Store, rank: int, caches: list[torch.Tensor]) -> None:
