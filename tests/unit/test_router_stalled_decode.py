@@ -37,18 +37,21 @@ DEADLINE_S = 1.0
 
 
 class StalledDecode(worker_pb2_grpc.DecodeWorkerServicer):
-    """Test double of a decode worker whose engine stops after one token: its stream stays
-    open, sending nothing, until the router cancels it (`cancelled` lists those requests)."""
+    """Test double of a decode worker whose engine stops after one token (or, unless
+    `answers`, before its ticket): its stream stays open, sending nothing, until the router
+    cancels it (`cancelled` lists those requests)."""
 
     def __init__(self) -> None:
+        self.answers = True
         self.started: list[str] = []
         self.cancelled: list[str] = []
 
     def Decode(self, request: Any, context: Any) -> Iterator[worker_pb2.DecodeResponse]:
         key = request.request.request_id
         self.started.append(key)
-        yield worker_pb2.DecodeResponse(ticket=kv_transfer_pb2.KVTicket(request_key=key))
-        yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenChunk(token_ids=[FIRST]))
+        if self.answers:
+            yield worker_pb2.DecodeResponse(ticket=kv_transfer_pb2.KVTicket(request_key=key))
+            yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenChunk(token_ids=[FIRST]))
         ended = threading.Event()
         context.add_callback(ended.set)
         ended.wait(30.0)
@@ -141,8 +144,9 @@ def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
 def test_the_router_ends_a_stalled_request_at_its_deadline(
     tiny_llama_path: Path, registry: Registry, stalled: tuple[StalledDecode, str]
 ) -> None:
-    """gRPC, SSE and a whole answer over HTTP: each ends at its deadline (not the client's), as
-    a server-side timeout, and the stalled worker sees each request cancelled."""
+    """gRPC (the worker stalls before its ticket), a whole answer over HTTP and SSE (after one
+    token): each ends at its deadline (not the client's), as a server-side timeout, and the
+    stalled worker sees each request cancelled."""
     double, endpoint = stalled
     register(registry, tiny_llama_path, "d1", endpoint)
     server = start_router(tiny_llama_path, registry)
@@ -151,10 +155,12 @@ def test_the_router_ends_a_stalled_request_at_its_deadline(
     body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.0, "timeout": DEADLINE_S}
     try:
         start = time.monotonic()
+        double.answers = False
         with pytest.raises(grpc.RpcError) as error:
             grpc_generate(server.address, 4, DEADLINE_S)
         assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert time.monotonic() - start < DEADLINE_S + 2.0
+        double.answers = True
 
         start = time.monotonic()
         r = httpx.post(url, json=body, timeout=30.0)
@@ -214,3 +220,8 @@ def test_a_stalled_decode_worker_s_request_resumes_on_another(
         assert server.router is not None and server.router.migrations == 1
     finally:
         server.stop()
+
+
+def test_decode_stall_s_must_be_positive(tiny_llama_path: Path) -> None:
+    with pytest.raises(ValueError, match="decode_stall_s"):
+        RouterConfig(str(tiny_llama_path), decode_stall_s=0.0)
