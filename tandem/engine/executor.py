@@ -75,6 +75,10 @@ class Executor:
     def keep_alive(self) -> None:
         """Between steps: prove what runs them alive (nothing to do here)."""
 
+    def check_ranks(self) -> None:
+        """Between steps: raise AssertionError if a rank beside this process disagrees with
+        its block bookkeeping (there is none here)."""
+
     def kv_view(self) -> list[KVLayer]:
         """The KV cache as a worker's transfer reads and writes it: per layer, every KV head
         of the model (here, the runner's own caches)."""
@@ -101,6 +105,12 @@ class TPExecutor(Executor):
 
     def keep_alive(self) -> None:
         self.ranks.keep_alive()
+
+    def check_ranks(self) -> None:
+        """Every rank ran the steps rank 0 sent, on a cache of rank 0's layout (a collective:
+        tp/integrity.py)."""
+        assert isinstance(self.runner, TPModelRunner)
+        self.runner.check_ranks()
 
     def kv_view(self) -> list[KVLayer]:
         """Every rank's heads, the others' caches mapped into this process (kv_view.py)."""
