@@ -203,10 +203,11 @@ class EngineCore:
     def check_integrity(self) -> None:
         """Between steps: raise AssertionError naming the first broken invariant of the KV
         blocks, in rank 0's bookkeeping (`KVCacheManager.check_integrity`) or on another
-        tensor-parallel rank (one that ran other steps than it was sent, or holds a cache of
-        another layout: tp/integrity.py)."""
+        tensor-parallel rank (one that ran other steps than it was sent, holds a cache of
+        another layout, or other KV in the live blocks than another holder of its KV heads:
+        tp/integrity.py)."""
         self.kv_cache.check_integrity()
-        self.executor.check_ranks()
+        self.executor.check_ranks(self.kv_cache.referenced_blocks())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

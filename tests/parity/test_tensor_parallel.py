@@ -139,8 +139,9 @@ def test_logits_equal_single_device(engines: tuple[EngineCore, EngineCore]) -> N
 
 
 def test_integrity_names_the_rank_that_disagrees(engines: tuple[EngineCore, EngineCore]) -> None:
-    """Rank 0's record of what it sent, or its cache's layout, tampered with: the ranks'
-    check finds each, naming rank 1 (the first other rank), and passes again once restored."""
+    """Rank 0's record of what it sent, its cache's layout, or (replicated KV heads) its KV in a
+    live block, tampered with: the ranks' check finds each, naming rank 1 (the first other
+    rank), and passes again once restored."""
     parallel = engines[1]
     runner = parallel.executor.runner
     assert isinstance(runner, TPModelRunner)
@@ -157,6 +158,22 @@ def test_integrity_names_the_rank_that_disagrees(engines: tuple[EngineCore, Engi
         with pytest.raises(AssertionError, match=f"rank 1 of {size} {message}"):
             parallel.check_integrity()
         ledger.steps, ledger.digest, runner.kv_caches = steps, digest, caches
+    parallel.check_integrity()
+    if size <= parallel.executor.model_config.num_kv_heads:
+        return
+    # Replicated KV heads: rank 1 holds rank 0's; a live block's KV changed on rank 0 alone
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    parallel.add_request("live", [7, 8, 9, 10, 11], params)
+    parallel.step()  # the prompt's KV written; the request holds its blocks
+    block = parallel.kv_cache.block_table("live")[0]
+    kept = caches[0][:, block].clone()
+    caches[0][:, block] = 1 - kept
+    with pytest.raises(AssertionError, match=f"rank 1 of {size} holds other KV than rank 0"):
+        parallel.check_integrity()
+    caches[0][:, block] = kept
+    parallel.check_integrity()
+    while parallel.has_unfinished():
+        parallel.step()
     parallel.check_integrity()
 
 

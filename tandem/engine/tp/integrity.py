@@ -10,11 +10,15 @@ block copies (the same ints rank 0 keeps of the steps it sent); a few int ops pe
 
 `check_ranks` (rank 0, between steps; the engine's `check_integrity` after rank 0's own
 bookkeeping check) sends INTEGRITY and broadcasts its view (`rank_view`): its ledger and its
-cache's layout (layers, [2, num_blocks, block_size, heads, slot_dim], dtype). Every rank
-compares its own (`answer_integrity`: the same count and digest, the same layout, as the ranks
-hold equally many heads of the same blocks) and rank 0 gathers each rank's verdict, a short
-utf-8 message (empty: agreed), raising AssertionError naming the first rank that disagrees.
-Collectives: a broadcast of the control header, one of 9 ints, one gather of 256 bytes a rank.
+cache's layout (layers, [2, num_blocks, block_size, heads, slot_dim], dtype), and its
+allocator's live blocks (those some block table holds). Every rank compares its own
+(`answer_integrity`: the same count and digest, the same layout, as the ranks hold equally many
+heads of the same blocks) and hashes its KV in the live blocks; rank 0 gathers each rank's
+verdict, a short utf-8 message (empty: agreed), and the hashes, and raises AssertionError naming
+the first rank that disagrees, or whose KV in the live blocks differs from another holder's of
+the same (replicated) KV heads: every write, a forward's or a KV transfer's, reaches all holders.
+Collectives: 3 broadcasts (header, 10 ints, the live block ids), 2 gathers (256 bytes, 1 int a
+rank); each rank copies its live blocks' KV to the host once to hash it (a check for tests).
 """
 
 from __future__ import annotations
@@ -72,27 +76,67 @@ def disagreement(rank0: list[int], own: list[int], caches: list[torch.Tensor]) -
     return ""
 
 
-def check_ranks(group: TPGroup, ledger: StepLedger, caches: list[torch.Tensor]) -> None:
-    """Rank 0, between steps: have every rank compare itself with rank 0's view; raise
-    AssertionError naming the first rank that disagrees, and what."""
+def live_kv_digest(caches: list[torch.Tensor], live: list[int]) -> int:
+    """CRC-32 of the bytes `caches` hold in the blocks `live`, every layer."""
+    digest = 0
+    if not live:
+        return digest
+    index = torch.tensor(live, device=caches[0].device)
+    for cache in caches:  # [2, num_blocks, block_size, heads, slot_dim]
+        data = cache[:, index].contiguous().view(torch.uint8).cpu().numpy()
+        digest = zlib.crc32(data.tobytes(), digest)
+    return digest
+
+
+def check_ranks(
+    group: TPGroup,
+    ledger: StepLedger,
+    caches: list[torch.Tensor],
+    live: list[int],
+    first_heads: list[int],
+) -> None:
+    """Rank 0, between steps: have every rank compare itself with rank 0's view, and the ranks
+    that hold the same KV heads (`first_heads[r]`: rank r's first; replicated heads when
+    several ranks share one) the same KV in the blocks `live` (rank 0's referenced blocks);
+    raise AssertionError naming the first rank that disagrees, and what."""
     if group.broken:
         raise AssertionError("a tensor-parallel rank was lost: the ranks cannot be checked")
     send_control(group, INTEGRITY)
     dev = group.device
-    group.broadcast(torch.tensor(rank_view(ledger, caches), device=dev))
+    group.broadcast(torch.tensor([*rank_view(ledger, caches), len(live)], device=dev))
+    if live:
+        group.broadcast(torch.tensor(live, device=dev))
     verdicts = group.gather_rows(torch.zeros(1, VERDICT_BYTES, dtype=torch.uint8, device=dev))
+    digest = torch.tensor([[live_kv_digest(caches, live)]], device=dev)
+    digests = group.gather_rows(digest)[:, 0].tolist()
     for rank, row in enumerate(verdicts.tolist()):
         verdict = bytes(row).rstrip(b"\0").decode(errors="replace")
         if verdict:
             raise AssertionError(f"tensor-parallel rank {rank} of {group.size} {verdict}")
+    holder: dict[int, int] = {}  # first head -> the first rank holding it
+    for rank, first in enumerate(first_heads):
+        other = holder.setdefault(first, rank)
+        if digests[rank] != digests[other]:
+            raise AssertionError(
+                f"tensor-parallel rank {rank} of {group.size} holds other KV than rank {other} "
+                f"in the {len(live)} live blocks of the KV heads both hold (from head {first})"
+            )
 
 
 def answer_integrity(group: TPGroup, ledger: StepLedger, caches: list[torch.Tensor]) -> None:
-    """Ranks 1.., after an INTEGRITY message: compare with rank 0's view, send the verdict."""
+    """Ranks 1.., after an INTEGRITY message: compare with rank 0's view, send the verdict and
+    the digest of the live blocks' KV."""
     own = rank_view(ledger, caches)
-    rank0 = group.broadcast(torch.zeros(len(own), dtype=torch.long, device=group.device))
-    verdict = disagreement(rank0.tolist(), own, caches).encode()[:VERDICT_BYTES]
+    dev = group.device
+    *rank0, num_live = group.broadcast(
+        torch.zeros(len(own) + 1, dtype=torch.long, device=dev)
+    ).tolist()
+    live = []
+    if num_live:
+        live = group.broadcast(torch.zeros(num_live, dtype=torch.long, device=dev)).tolist()
+    verdict = disagreement(rank0, own, caches).encode()[:VERDICT_BYTES]
     row = torch.zeros(1, VERDICT_BYTES, dtype=torch.uint8)
     if verdict:
         row[0, : len(verdict)] = torch.frombuffer(bytearray(verdict), dtype=torch.uint8)
-    group.gather_rows(row.to(group.device))
+    group.gather_rows(row.to(dev))
+    group.gather_rows(torch.tensor([[live_kv_digest(caches, live)]], device=dev))

@@ -95,9 +95,11 @@ class TPModelRunner(ModelRunner):
         self.ledger.record(step)
         return inp
 
-    def check_ranks(self) -> None:
-        """Rank 0, between steps: every rank agrees with what rank 0 sent (integrity.py)."""
-        check_ranks(self.group, self.ledger, self.kv_caches)
+    def check_ranks(self, live: list[int], first_heads: list[int]) -> None:
+        """Rank 0, between steps: every rank agrees with what rank 0 sent, the holders of the
+        same KV heads (`first_heads[r]`: rank r's first) hold the same KV in the `live` blocks
+        (integrity.py)."""
+        check_ranks(self.group, self.ledger, self.kv_caches, live, first_heads)
 
     def execute(self, *args: Any, **kwargs: Any) -> StepResult:
         with self._collectives():
