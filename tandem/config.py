@@ -342,17 +342,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
-    def __post_init__(self) -> None:
-        # layer-skip drafts run the target's own sharded layers: every rank would have to
-        # mirror each draft forward (docs/engine.md, "Tensor parallelism")
-        tp = self.model.tensor_parallel_size
-        if tp > 1 and self.spec.method == "layerskip":
-            raise ValueError(
-                f"speculative method 'layerskip' does not run under tensor parallelism "
-                f"(tensor_parallel_size={tp}): use 'eagle', 'medusa', 'draft' or 'ngram', or "
-                f"tensor_parallel_size=1"
-            )
-
     @classmethod
     def create(
         cls,
