@@ -15,14 +15,19 @@ Prefill(P)   in the background: P computes the prompt and pushes its KV to D. A 
              failed on its side). A queue on P does not fail the transfer: P renews it
              while the request waits there, up to the request's deadline
 relay        D's token chunks -> incremental detokenizer (stop strings) -> the client
-migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final chunk): D
-             is marked down and the request resumes on another D with the tokens already
-             sent appended to its prompt (`_resumed`), prefilled as any request; the relay
-             carries on, so the client sees one stream (waiting, as a new request does,
-             for a replacement when no D is left). At most MAX_MIGRATIONS times, else
+migrate      D dies mid-stream (UNAVAILABLE, or the stream ends without a final chunk) or
+             stalls (`_check_live`: the registry has not listed it for UNLISTED_S, its
+             heartbeats having stopped, or it has sent the request tokens and then nothing
+             on any stream for `decode_stall_s`; its call is cancelled, so a D that wakes
+             up frees the blocks): D is marked down and the request resumes on another D
+             with the tokens already sent appended to its prompt (`_resumed`), prefilled
+             as any request; the relay carries on, so the client sees one stream (waiting,
+             as a new request does, for a replacement when no D is left). At most
+             MAX_MIGRATIONS times, else
                                                                    UNAVAILABLE
 end          usage and timings; a stop string, an Abort, a client that leaves, or the
-             deadline cancels both calls, and the workers free the request's blocks. An
+             deadline (the router's own timer, whatever the workers do: DEADLINE_EXCEEDED)
+             cancels both calls, and the workers free the request's blocks. An
              Abort that reaches a router replica not holding the request is forwarded to
              the others (`forward_abort`: the registry's pub/sub)
 
@@ -74,6 +79,9 @@ MIGRATED_SUFFIX = "/m"  # + the count: the worker-side id of a resumed request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
 CHOICE_ABORT_S = 5.0  # the timeout of the Abort that ends one choice on its decode worker
+STALL_CHECK_S = 0.5  # how often a request waiting on its decode worker checks that D lives
+UNLISTED_S = 2.0  # a decode worker missing from the registry this long is treated as dead
+# (a Redis that restarted empty lists each worker again at its next heartbeat, within a second)
 
 
 class DecodeLost(Exception):
@@ -132,8 +140,9 @@ class Route:
         self._prefill_task.add_done_callback(self.prefill.release)
 
     async def next_message(self, abort: asyncio.Event) -> Any:
-        """D's next message, or "abort" / "local" if that event comes first. A read that loses
-        the race stays pending for the next call: a cancelled read breaks a grpc.aio stream."""
+        """D's next message, or "abort" / "local" if that event comes first, or "check" after
+        STALL_CHECK_S without any. A read that loses the race stays pending for the next call:
+        a cancelled read breaks a grpc.aio stream."""
         if self._read is None:
             self._read = asyncio.ensure_future(self.call.read())
         waits = {
@@ -141,14 +150,16 @@ class Route:
             asyncio.ensure_future(self.go_local.wait()): "local",
         }
         try:
-            done, _ = await asyncio.wait([self._read, *waits], return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                [self._read, *waits], timeout=STALL_CHECK_S, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:  # also when the request's task is cancelled (a client that left, n choices)
             for w in waits:
                 w.cancel()
         if self._read in done:
             read, self._read = self._read, None
             return read.result()
-        return next(name for w, name in waits.items() if w in done)
+        return next((name for w, name in waits.items() if w in done), "check")
 
     def reopen(self, call: Any, request_id: str) -> None:
         """Replace D's call (cancelled, with its pending read) by `call`, for `request_id`."""
@@ -205,6 +216,7 @@ class Router:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._aborts: dict[str, asyncio.Event] = {}
         self._choice_aborts: set[asyncio.Task[None]] = set()  # Aborts of one choice on D
+        self._heard: dict[str, float] = {}  # decode worker id -> its last message (monotonic)
         self._ids = itertools.count()
 
     @property
@@ -599,9 +611,17 @@ class Router:
         )
 
     async def _read_ticket(self, call: Any, d: WorkerRecord) -> Any:
-        first = await call.read()
+        """D's ticket, the call's first message; DecodeLost if D stalls first (`_check_live`)."""
+        read = asyncio.ensure_future(call.read())
+        try:
+            while not (await asyncio.wait([read], timeout=STALL_CHECK_S))[0]:
+                self._check_live(d, decoding=False)
+        finally:
+            read.cancel()  # a no-op once read; else the call ends with it
+        first = read.result()
         if first is grpc.aio.EOF or not first.HasField("ticket"):
             raise RouterError(ErrorKind.UNAVAILABLE, f"decode worker {d.worker_id} sent no ticket")
+        self._heard[d.worker_id] = time.monotonic()
         return first.ticket
 
     # -- prefill ------------------------------------------------------------------------------
@@ -674,6 +694,9 @@ class Router:
             msg = await route.next_message(abort)
             if msg == "abort":
                 return None
+            if msg == "check":
+                self._check_live(route.decode.worker, route.decoding)
+                continue
             if msg != "local":
                 break
             if route.decoding:  # D fell back to its own prefill first (`on_transfer_failure`)
@@ -683,8 +706,20 @@ class Router:
         if msg is grpc.aio.EOF:
             raise DecodeLost(route.decode.worker, "the stream ended without a final chunk")
         assert isinstance(msg, wpb.DecodeResponse)
+        self._heard[route.decode.worker.worker_id] = time.monotonic()
         route.decoding = True
         return msg.tokens
+
+    def _check_live(self, d: WorkerRecord, decoding: bool) -> None:
+        """DecodeLost if D has stopped answering though its connection stays open (a stalled
+        process): the registry has not listed it for UNLISTED_S (no heartbeat within its TTL),
+        or, once it decodes the request (`decoding`), it has sent nothing on any of this
+        router's streams for `decode_stall_s` (a stalled engine beside a live heartbeat)."""
+        if self.snapshot.unlisted_s(d.worker_id) >= UNLISTED_S:
+            raise DecodeLost(d, "it left the registry (no heartbeat within its TTL)")
+        silent_s = time.monotonic() - self._heard.get(d.worker_id, time.monotonic())
+        if decoding and silent_s >= self.config.decode_stall_s:
+            raise DecodeLost(d, f"it has sent nothing for {silent_s:.1f} s")
 
     async def _prefill_on_decode(
         self, route: Route, wreq: wpb.WorkerRequest, prep: Prepared, timings: dict[str, Any]

@@ -342,17 +342,6 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
-    def __post_init__(self) -> None:
-        # layer-skip drafts run the target's own sharded layers: every rank would have to
-        # mirror each draft forward (docs/engine.md, "Tensor parallelism")
-        tp = self.model.tensor_parallel_size
-        if tp > 1 and self.spec.method == "layerskip":
-            raise ValueError(
-                f"speculative method 'layerskip' does not run under tensor parallelism "
-                f"(tensor_parallel_size={tp}): use 'eagle', 'medusa', 'draft' or 'ngram', or "
-                f"tensor_parallel_size=1"
-            )
-
     @classmethod
     def create(
         cls,
@@ -463,6 +452,9 @@ class RouterConfig:
     # 0: at once. At most `max_decode_waiters` wait; more: RESOURCE_EXHAUSTED.
     decode_wait_s: float = 30.0
     max_decode_waiters: int = 256
+    # A decode worker that has sent a request tokens and then nothing at all, on any stream,
+    # for this long is treated as dead: its requests resume on another one (router/core.py).
+    decode_stall_s: float = 30.0
     max_model_len: int | None = None
     tool_call_parser: str = "auto"  # TOOL_CALL_PARSERS
     # `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and tandem.v1.Tandem (auth.py);
@@ -480,3 +472,5 @@ class RouterConfig:
             raise ValueError(f"decode_wait_s must be >= 0, got {self.decode_wait_s}")
         if self.max_decode_waiters < 0:
             raise ValueError(f"max_decode_waiters must be >= 0, got {self.max_decode_waiters}")
+        if not self.decode_stall_s > 0:
+            raise ValueError(f"decode_stall_s must be > 0, got {self.decode_stall_s}")

@@ -540,6 +540,7 @@ class Registry:
 
 
 ABORT_RESUBSCRIBE_S = 0.5  # an abort listener that lost Redis subscribes again after this
+UNLISTED_MEMORY_S = 600.0  # a snapshot remembers when a worker left its listing this long
 
 
 class AbortListener:
@@ -611,6 +612,7 @@ class RegistrySnapshot:
         self._ok_at: float | None = None  # clock() when the last successful refresh began
         self._failing = False  # for logging the transitions only
         self._down: dict[str, float] = {}  # worker id -> clock() until which it is avoided
+        self._unlisted: dict[str, float] = {}  # worker id -> clock() of the 1st listing without it
         self._refresh_lock = threading.Lock()  # one refresh at a time
         self._progress = threading.Condition()
         self._begun = 0  # refreshes begun / completed, for wait_for_refresh
@@ -646,6 +648,7 @@ class RegistrySnapshot:
                 self._failing = records is None
                 with self._lock:
                     if records is not None:
+                        self._note_unlisted(records, began)
                         self._records = tuple(records)
                         self._ok, self._ok_at = True, began
                         # Marks past their time are lifted: this listing confirms or omits them.
@@ -656,6 +659,19 @@ class RegistrySnapshot:
                     self._done += 1
                     self._progress.notify_all()
             return records is not None
+
+    def _note_unlisted(self, records: list[WorkerRecord], began: float) -> None:
+        """Note when each worker of the previous listing was first missing (under `_lock`);
+        forget those missing for over UNLISTED_MEMORY_S."""
+        listed = {r.worker_id for r in records}
+        for r in self._records:
+            if r.worker_id not in listed:
+                self._unlisted.setdefault(r.worker_id, began)
+        self._unlisted = {
+            w: t
+            for w, t in self._unlisted.items()
+            if w not in listed and began - t <= UNLISTED_MEMORY_S
+        }
 
     def wait_for_refresh(self, timeout: float | None = None) -> bool:
         """Wait until a refresh that begins after this call has completed (successfully or
@@ -685,6 +701,18 @@ class RegistrySnapshot:
                     continue
                 out.append(r)
             return out
+
+    def unlisted_s(self, worker_id: str) -> float:
+        """0 while the last good listing has the worker (draining or marked down ones too);
+        else the seconds since the first good listing without it (its record expired: no
+        heartbeat within its TTL), inf if that is unknown (never listed, or long gone). Failed
+        refreshes change nothing: an outage of Redis says nothing of a worker, and a Redis that
+        comes back empty lists each worker again at its next heartbeat."""
+        with self._lock:
+            if any(r.worker_id == worker_id for r in self._records):
+                return 0.0
+            since = self._unlisted.get(worker_id)
+        return float("inf") if since is None else max(self._clock() - since, 0.0)
 
     def mark_down(self, worker_id: str, for_s: float) -> None:
         """Avoid a worker (a call to it failed) for for_s seconds and then until a refresh begun

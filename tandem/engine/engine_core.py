@@ -200,6 +200,15 @@ class EngineCore:
         """Stop what runs beside this process (a tensor-parallel engine's other ranks)."""
         self.executor.close()
 
+    def check_integrity(self) -> None:
+        """Between steps: raise AssertionError naming the first broken invariant of the KV
+        blocks, in rank 0's bookkeeping (`KVCacheManager.check_integrity`) or on another
+        tensor-parallel rank (one that ran other steps than it was sent, holds a cache of
+        another layout, or other KV in the live blocks than another holder of its KV heads:
+        tp/integrity.py)."""
+        self.kv_cache.check_integrity()
+        self.executor.check_ranks(self.kv_cache.referenced_blocks())
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

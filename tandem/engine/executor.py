@@ -39,7 +39,7 @@ from tandem.engine.sim import (
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import TARGET_VOCAB_METHODS
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.kv_view import KVLayer, whole_cache
+from tandem.engine.tp.kv_view import KVLayer, first_kv_heads, whole_cache
 from tandem.engine.tp.ranks import (
     LOAD_TIMEOUT,
     RankLauncher,
@@ -84,6 +84,10 @@ class Executor:
     def keep_alive(self) -> None:
         """Between steps: prove what runs them alive (nothing to do here)."""
 
+    def check_ranks(self, live: list[int]) -> None:
+        """Between steps: raise AssertionError if a rank beside this process disagrees with
+        its block bookkeeping (`live`: the blocks its block tables hold; no rank here)."""
+
     def kv_view(self) -> list[KVLayer]:
         """The KV cache as a worker's transfer reads and writes it: per layer, every KV head
         of the model (here, the runner's own caches)."""
@@ -120,6 +124,14 @@ class TPExecutor(Executor):
 
     def keep_alive(self) -> None:
         self.ranks.keep_alive()
+
+    def check_ranks(self, live: list[int]) -> None:
+        """Every rank ran the steps rank 0 sent, on a cache of rank 0's layout, and the ranks
+        that hold a replicated KV head hold the same KV in the `live` blocks (a collective:
+        tp/integrity.py)."""
+        assert isinstance(self.runner, TPModelRunner)
+        first_heads = first_kv_heads(self.whole_config, self.ranks.group.size)
+        self.runner.check_ranks(live, first_heads)
 
     def kv_view(self) -> list[KVLayer]:
         """Every rank's heads, the others' caches mapped into this process (kv_view.py)."""

@@ -154,6 +154,10 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return list(self._tables[request_id])
 
+    def referenced_blocks(self) -> list[int]:
+        """The block ids some block table holds, ascending."""
+        return [block_id for block_id, block in enumerate(self._blocks) if block.ref_cnt]
+
     def free(self, request_id: str) -> None:
         """Drop the request's references (a no-op for a request without blocks).
 

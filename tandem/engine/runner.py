@@ -195,6 +195,21 @@ class ModelRunner:
             self._verify(logits, verify, result)
         return result
 
+    def first_layers_logits(
+        self,
+        num_layers: int,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        seqs: list[SeqSpec],
+        rows: torch.Tensor,  # [n]
+    ) -> torch.Tensor:  # [n, vocab] float32
+        """The logits at `rows` of the model's first `num_layers` layers, final norm and LM
+        head, writing those layers' KV (a layer-skip draft's forward)."""
+        meta = self.backend.build_metadata(seqs, self.device)
+        caches = self.kv_caches[:num_layers]
+        hidden = self.model(input_ids, positions, caches, meta, num_layers=num_layers)
+        return self.model.compute_logits(hidden[rows])
+
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy each (src, dst) block's KV, every layer (a fork's partial last block)."""
         if not copies:

@@ -2,7 +2,9 @@
 the tiny random Llama whose dead worker processes are started again, as `tandem serve --no-ray`
 does: a prefill worker SIGKILLed (its prefills retried on the other one), a decode worker
 SIGKILLed (its streams migrate), a storm of client cancels over both APIs, and (`make chaos`)
-the embedded Redis SIGKILLed or paused past the heartbeat TTL. The checks every scenario ends
+a decode worker stopped (SIGSTOP) past its heartbeat TTL, then continued (its streams migrate
+though its connections stay open), the embedded Redis SIGKILLed or paused past the heartbeat
+TTL. The checks every scenario ends
 with (no process left behind among them) are in `chaos_load.py`; `test_chaos_stop.py` has the
 router restart and the SIGTERM of a whole `tandem serve --no-ray`.
 
@@ -41,6 +43,7 @@ from cluster_helpers import (
     wait_for,
     wait_router_idle,
     wait_workers_idle,
+    worker_process,
     workers,
 )
 
@@ -147,6 +150,31 @@ def test_a_cancel_storm_leaks_nothing(
     a few), over gRPC and HTTP, among requests that complete."""
     kinds = under_load(cluster, reference, lambda: None, cancel_rate=0.7, after=storm)
     assert kinds["cancelled by the client"] >= storm // 2
+
+
+@pytest.mark.chaos
+def test_a_stalled_decode_worker_costs_no_request(
+    cluster: LocalCluster, reference: Reference
+) -> None:
+    """SIGSTOP a decode worker with requests running: its process and connections stay, its
+    heartbeats stop; the router resumes its streams on the other one (UNLISTED_S after its
+    TTL), and once it continues it frees every block of the requests it was cancelled."""
+    router = cluster.router_server.router if cluster.router_server else None
+    assert router is not None
+    migrations = router.migrations
+
+    def stall() -> None:
+        victim = random.Random(0).choice(workers(cluster, "decode"))
+        process = worker_process(cluster, victim)
+        process.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: router.migrations > migrations, 20.0, "the streams to migrate")
+            time.sleep(TTL_S)  # requests keep going to the other decode worker meanwhile
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+    kinds = under_load(cluster, reference, stall)
+    assert kinds["completed"] >= 3 * CLIENTS
 
 
 def signal_redis(cluster: LocalCluster, signum: signal.Signals) -> int:

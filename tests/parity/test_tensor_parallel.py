@@ -28,7 +28,7 @@ from tandem.engine.models import load_model
 from tandem.engine.quant.layer import QuantizedLinear
 from tandem.engine.quant.model import quantize_weight
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.ranks import KEEPALIVE_S, TensorParallelError, rank_device
+from tandem.engine.tp.ranks import KEEPALIVE_S, TensorParallelError, TPModelRunner, rank_device
 from tandem.engine.tp.shard import Shard, check_tensor_parallel
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
@@ -135,7 +135,46 @@ def test_logits_equal_single_device(engines: tuple[EngineCore, EngineCore]) -> N
     atol = ATOL if exact else QUANT_ATOL
     for ours, theirs in zip(rows, expected, strict=True):
         torch.testing.assert_close(ours, theirs, atol=atol, rtol=0)
-    parallel.kv_cache.check_integrity()
+    parallel.check_integrity()  # rank 0's bookkeeping, and every rank against it
+
+
+def test_integrity_names_the_rank_that_disagrees(engines: tuple[EngineCore, EngineCore]) -> None:
+    """Rank 0's record of what it sent, its cache's layout, or (replicated KV heads) its KV in a
+    live block, tampered with: the ranks' check finds each, naming rank 1 (the first other
+    rank), and passes again once restored."""
+    parallel = engines[1]
+    runner = parallel.executor.runner
+    assert isinstance(runner, TPModelRunner)
+    ledger, caches, size = runner.ledger, runner.kv_caches, runner.group.size
+    steps, digest = ledger.steps, ledger.digest
+    one_step_more = f"ran {steps} steps, rank 0 sent {steps + 1}"
+    tampered: list[tuple[Callable[[], None], str]] = [
+        (lambda: setattr(ledger, "steps", steps + 1), one_step_more),
+        (lambda: setattr(ledger, "digest", digest ^ 1), "ran other block tables"),
+        (lambda: setattr(runner, "kv_caches", [c[:, 1:] for c in caches]), "holds 2 layers of KV"),
+    ]
+    for tamper, message in tampered:
+        tamper()
+        with pytest.raises(AssertionError, match=f"rank 1 of {size} {message}"):
+            parallel.check_integrity()
+        ledger.steps, ledger.digest, runner.kv_caches = steps, digest, caches
+    parallel.check_integrity()
+    if size <= parallel.executor.model_config.num_kv_heads:
+        return
+    # Replicated KV heads: rank 1 holds rank 0's; a live block's KV changed on rank 0 alone
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    parallel.add_request("live", [7, 8, 9, 10, 11], params)
+    parallel.step()  # the prompt's KV written; the request holds its blocks
+    block = parallel.kv_cache.block_table("live")[0]
+    kept = caches[0][:, block].clone()
+    caches[0][:, block] = 1 - kept
+    with pytest.raises(AssertionError, match=f"rank 1 of {size} holds other KV than rank 0"):
+        parallel.check_integrity()
+    caches[0][:, block] = kept
+    parallel.check_integrity()
+    while parallel.has_unfinished():
+        parallel.step()
+    parallel.check_integrity()
 
 
 def test_prompt_logprobs_equal_single_device(engines: tuple[EngineCore, EngineCore]) -> None:
@@ -194,6 +233,7 @@ def test_smollm2_greedy_equals_single_device(
             engine.step()
         outputs.append([r.output_token_ids for r in reqs])
         assert reqs[1].metrics.num_accepted_tokens > 0
+        engine.check_integrity()  # at TP 3: every rank
     assert outputs[0] == outputs[1]
 
 
@@ -346,10 +386,6 @@ def test_natural_splits_accepted() -> None:
 def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:
     with pytest.raises(ValueError, match="num_attention_heads=9"):
         EngineCore(EngineConfig.create(str(smollm2_path), tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="'layerskip' does not run under tensor parallelism"):
-        EngineConfig.create(
-            "m", tensor_parallel_size=3, speculative={"method": "layerskip", "num_layers": 1}
-        )
     # A worker's collectives must fail before the registry would forget it anyway.
     with pytest.raises(ValueError, match="tp_timeout_s=60 must be below heartbeat_ttl_s=3"):
         WorkerConfig(EngineConfig.create("m", tensor_parallel_size=3))

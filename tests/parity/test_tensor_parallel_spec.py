@@ -1,6 +1,7 @@
-"""Medusa and EAGLE drafters under tensor parallelism (Gloo, local processes, float32): they run on
-rank 0 with the whole LM head and embedding gathered there at load (tandem/engine/tp/vocab.py),
-and draft what the single-device engine drafts: TP 2's tokens and drafts, step by step, equal
+"""Medusa, EAGLE and layer-skip drafters under tensor parallelism (Gloo, local processes, float32):
+Medusa and EAGLE run on rank 0 with the whole LM head and embedding gathered there at load
+(tandem/engine/tp/vocab.py), layer-skip's draft forwards are steps every rank mirrors; all
+draft what the single-device engine drafts: TP 2's tokens and drafts, step by step, equal
 TP 1's with the same heads, and the tokens equal plain TP 1 decoding's. A grammar's forced tokens
 (method `grammar`, no proposer) are drafts under TP too."""
 
@@ -57,7 +58,7 @@ def generate(
     drafts = []
     while engine.has_unfinished():
         engine.step()
-        engine.kv_cache.check_integrity()
+        engine.check_integrity()
         drafts.append([list(r.spec_token_ids) for r in reqs])
     return [r.output_token_ids for r in reqs], engine, drafts
 
@@ -70,21 +71,28 @@ def plain(tiny_llama_path: Path) -> list[list[int]]:
     return outputs
 
 
-@pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_heads_on_rank_0_draft_as_on_one_device(
+@pytest.mark.parametrize("method", ["medusa", "eagle", "layerskip"])
+def test_drafts_under_tp_equal_one_device(
     tiny_llama_path: Path, heads: dict[str, Path], plain: list[list[int]], method: str
 ) -> None:
-    spec = {"method": method, "path": str(heads[method]), "num_speculative_tokens": 3}
+    """Medusa and EAGLE heads on rank 0 with the whole vocabulary; layer-skip's first layer,
+    sharded: each draft forward is a one-layer step that rank 1 mirrors over its heads' KV."""
+    source = {"num_layers": 1} if method == "layerskip" else {"path": str(heads[method])}
+    spec = {"method": method, **source, "num_speculative_tokens": 3}
     single, engine, single_drafts = generate(tiny_llama_path, 1, spec)
     whole = engine.executor.model  # the single-device tables rank 0 must hold whole
     engine.close()
     tp, engine, tp_drafts = generate(tiny_llama_path, 2, spec)
     try:
         runner = engine.executor.runner
-        assert isinstance(runner, TPModelRunner) and runner.whole_vocab is not None
-        assert torch.equal(runner.whole_vocab.lm_head_weight, whole.lm_head_weight)
+        assert isinstance(runner, TPModelRunner)
+        if method == "layerskip":  # drafts with rank 0's shard of the LM head, gathered
+            assert runner.whole_vocab is None
+        else:
+            assert runner.whole_vocab is not None
+            assert torch.equal(runner.whole_vocab.lm_head_weight, whole.lm_head_weight)
         if method == "eagle":  # untied: the embedding gathered on its own
-            assert runner.whole_vocab.embedding is not None
+            assert runner.whole_vocab is not None and runner.whole_vocab.embedding is not None
             assert torch.equal(runner.whole_vocab.embedding, whole.embed_tokens.weight)
     finally:
         engine.close()

@@ -1,17 +1,21 @@
 """Tensor-parallel workers on local Ray (CPU, Gloo): each worker of a TP 2 pool is its worker
 actor (rank 0) and one rank actor, in the two bundles of the worker's placement group; the
-cluster answers with the single-device engine's greedy tokens; killing a rank actor takes its
+cluster answers with the single-device engine's greedy tokens, with equal TP sizes and with
+unequal ones (what `tandem serve --prefill-tp 2 --decode-tp 1` builds: the prefill worker's two
+ranks' KV heads assembled into the one decode rank's cache); killing a rank actor takes its
 worker out of the registry within the TTL, ends its in-flight requests with an error, and the
 controller replaces the whole worker (its actors and placement group gone). A TP size larger than
 a worker's bundles or GPUs is refused naming it.
 
-One module-scoped cluster: prefill TP 2 (its KV read from both ranks) and decode TP 2 (a decode
-rank is the one killed: decoding requests are in flight there), tiny random Llama, float32, one
-thread per rank.
+One local Ray for the module and two clusters on it, one after the other: prefill TP 2 ->
+decode TP 1, started and stopped within its test, then the module's prefill TP 2 (its KV read
+from both ranks) -> decode TP 2 (a decode rank is the one killed: decoding requests are in
+flight there); tiny random Llama, float32, one thread per rank.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,22 +43,41 @@ PROMPTS = [[3 + (i * 7 + j * 13) % 250 for j in range(20 + 3 * i)] for i in rang
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_path: Path) -> Iterator[RayCluster]:
+def local_ray() -> Iterator[str]:
+    """Local Ray for the module's clusters (each joins it: stopping one leaves it up)."""
+    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def start_cluster(model: Path, address: str, prefill_tp: int, decode_tp: int) -> RayCluster:
     c = RayCluster(
-        str(tiny_llama_path),
+        str(model),
         1,
         1,
+        address,
         http_port=0,
         grpc_port=0,
         engine=ENGINE,
-        prefill_pool=PoolSpec(0.5, tensor_parallel_size=2),
-        decode_pool=PoolSpec(0.5, tensor_parallel_size=2),
+        prefill_pool=PoolSpec(0.5, tensor_parallel_size=prefill_tp),
+        decode_pool=PoolSpec(0.5, tensor_parallel_size=decode_tp),
         # A request on the killed worker fails at once rather than wait for the replacement.
-        router=RouterConfig(str(tiny_llama_path), local_prefill_tokens=8, decode_wait_s=0.0),
-        num_cpus=8,
+        router=RouterConfig(str(model), local_prefill_tokens=8, decode_wait_s=0.0),
         heartbeat_ttl_s=TTL_S,
     )
-    c.start(timeout_s=180)
+    try:
+        c.start(timeout_s=180)
+    except BaseException:
+        c.stop()
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_path: Path, local_ray: str) -> Iterator[RayCluster]:
+    c = start_cluster(tiny_llama_path, local_ray, 2, 2)
     try:
         yield c
     finally:
@@ -86,22 +109,44 @@ def worker_groups() -> dict[str, dict]:
     }
 
 
-def test_ranks_in_the_workers_placement_groups_answer_like_one_device(
-    cluster: RayCluster, reference: list[list[int]]
+def ranks_placed_and_answering(
+    cluster: RayCluster, reference: list[list[int]], tp: dict[str, int]
 ) -> None:
+    """Each worker's ranks in its placement group (`tp`: each role's ranks), one bundle each;
+    the cluster answers with the single-device engine's greedy tokens."""
     groups = worker_groups()
     assert sorted(name.split("-")[1] for name in groups) == ["decode", "prefill"]
     free = ray.available_resources()
     for name, pg in groups.items():
-        assert pg["strategy"] == "STRICT_PACK" and len(pg["bundles"]) == 2
-        # Bundle 0 holds the worker actor (rank 0), bundle 1 the rank actor: both taken.
-        for bundle in (0, 1):
+        size = tp[name.split("-")[1]]
+        assert len(pg["bundles"]) == size
+        assert size == 1 or pg["strategy"] == "STRICT_PACK"
+        # Bundle 0 holds the worker actor (rank 0), bundle r the rank actor r: all taken.
+        for bundle in range(size):
             assert free.get(f"CPU_group_{bundle}_{pg['placement_group_id']}", 0.0) == 0.0
-        assert ray.get_actor(f"{name}-rank-1", namespace=NAMESPACE) is not None
+        for rank in range(1, size):
+            assert ray.get_actor(f"{name}-rank-{rank}", namespace=NAMESPACE) is not None
     assert cluster.router_address is not None
     stub = api_pb2_grpc.TandemStub(grpc.insecure_channel(cluster.router_address.grpc_target))
     for prompt, expected in zip(PROMPTS, reference, strict=True):
         assert generate(stub, prompt)[0] == expected
+
+
+def test_unequal_tp_sizes_answer_like_one_device(
+    tiny_llama_path: Path, local_ray: str, reference: list[list[int]]
+) -> None:
+    """Prefill TP 2 -> decode TP 1; before the module's cluster starts (one at a time)."""
+    c = start_cluster(tiny_llama_path, local_ray, 2, 1)
+    try:
+        ranks_placed_and_answering(c, reference, {"prefill": 2, "decode": 1})
+    finally:
+        c.stop()
+
+
+def test_ranks_in_the_workers_placement_groups_answer_like_one_device(
+    cluster: RayCluster, reference: list[list[int]]
+) -> None:
+    ranks_placed_and_answering(cluster, reference, {"prefill": 2, "decode": 2})
 
 
 def test_a_killed_rank_takes_its_worker_out_and_the_worker_is_replaced(

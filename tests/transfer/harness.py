@@ -529,7 +529,7 @@ class _Host:
             _wait_for(idle, within, "idle")
         except AssertionError as e:
             raise AssertionError(f"{name} still holds {last}") from e
-        worker.call(engine.kv_cache.check_integrity).result(5)
+        worker.call(engine.check_integrity).result(5)
         return {"free": engine.kv_cache.num_free_blocks, "blocks": engine.kv_cache.num_blocks}
 
     # -- bare endpoints over small caches ----------------------------------------------------

@@ -114,7 +114,7 @@ def _no_block_held(*ws: PrefillWorker | DecodeWorker) -> None:
         deadline = time.monotonic() + WAIT_S
         while kv.num_free_blocks != kv.num_blocks and time.monotonic() < deadline:
             time.sleep(0.01)  # the loop frees a finished request's blocks between steps
-        worker.call(kv.check_integrity).result(WAIT_S)
+        worker.call(worker.engine.check_integrity).result(WAIT_S)  # every rank
         assert kv.num_free_blocks == kv.num_blocks
 
 

@@ -48,6 +48,8 @@ def test_allocate_takes_free_blocks_in_order() -> None:
     assert prefill(kv, "b", tokens(5, 100)) == [3, 4]
     assert kv.num_free_blocks == 3
     assert kv.usage == 5 / 8
+    kv.free("a")
+    assert kv.referenced_blocks() == [3, 4]
     kv.check_integrity()
 
 

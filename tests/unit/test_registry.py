@@ -437,6 +437,33 @@ def test_two_snapshots_agree(registry: Registry) -> None:
         assert a.workers() == b.workers() and len(a.workers()) == 5
 
 
+def test_unlisted_s_counts_from_the_first_good_listing_without_the_worker(
+    registry: Registry,
+) -> None:
+    """Draining and marked-down workers are listed; a failed refresh changes nothing; a worker
+    listed again is 0 again; an unknown one is inf."""
+    t0 = time.time()
+    clock = FakeClock(t0)
+    registry.register(make_record("d1", draining=True), ttl_s=30)
+    snapshot = RegistrySnapshot(registry, clock=clock)
+    assert snapshot.refresh()
+    snapshot.mark_down("d1", for_s=5)
+    assert snapshot.unlisted_s("d1") == 0.0 and snapshot.unlisted_s("d9") == float("inf")
+
+    registry.deregister("d1")
+    clock.now = t0 + 1
+    assert snapshot.refresh()
+    clock.now = t0 + 3
+    assert snapshot.unlisted_s("d1") == pytest.approx(2.0)
+    registry.register(make_record("d1"), ttl_s=30)
+    assert snapshot.refresh()
+    assert snapshot.unlisted_s("d1") == 0.0
+    registry.close()  # an outage: the last good listing stands
+    clock.now = t0 + 9
+    assert not snapshot.refresh()
+    assert snapshot.unlisted_s("d1") == 0.0
+
+
 def test_mark_down(registry: Registry) -> None:
     t0 = time.time()
     clock = FakeClock(t0)

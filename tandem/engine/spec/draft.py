@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ from tandem.engine.models import load_model
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.models.loader import load_tokenizer
 from tandem.engine.request import Request
-from tandem.engine.runner import ModelRunner
+from tandem.engine.runner import ModelRunner, to_device
 from tandem.engine.spec.draft_sampling import DraftChain, extend_chains
 from tandem.engine.spec.draft_vocab import LMHead, draft_lm_head
 from tandem.engine.spec.proposer import NO_DRAFT, Draft, Proposer, StepHidden
@@ -83,30 +84,29 @@ class _Job:
     pending: list[int]  # tokens the next forward feeds
 
 
+# A draft's forward: (input_ids [num_tokens], positions [num_tokens], each request's SeqSpec,
+# rows [n]) -> the logits at those rows, [n, vocab] float32; it writes the fed tokens' draft KV.
+DraftLogits = Callable[[Tensor, Tensor, list[SeqSpec], Tensor], Tensor]
+
+
 class DraftModelProposer(Proposer):
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: Callable[[], list[Tensor]],
+        logits: DraftLogits,
         kv_cache: KVCacheManager,
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
-        num_layers: int | None = None,
         own_kv: bool = True,
-        lm_head: LMHead | None = None,
     ) -> None:
-        """`kv_caches()` gives the KV tensors of the layers the draft runs (read every step: the
-        runner may swap its own). `num_layers` runs only the model's first layers. `own_kv`:
-        the KV is the draft's own and must catch up; False: it is the target's, valid up to
-        each request's `num_computed_tokens`. `lm_head`: the model's own unless given (a draft
-        vocabulary's)."""
+        """`model` drafts through `logits` (`own_model_logits`, or the target runner's first
+        layers). `own_kv`: the KV is the draft's own and must catch up; False: it is the
+        target's, valid up to each request's `num_computed_tokens`."""
         self.model = model
-        self.lm_head = model.compute_logits if lm_head is None else lm_head
-        self.kv_caches = kv_caches
+        self.logits = logits
         self.kv_cache = kv_cache
         self.device = device
         self.eos_token_ids = eos_token_ids
-        self.num_layers = num_layers
         self.own_kv = own_kv
         self._states: dict[str, _DraftState] = {}
 
@@ -164,16 +164,20 @@ class DraftModelProposer(Proposer):
             seqs.append(SeqSpec(j.position, len(j.pending), j.block_table))
             last_rows.append(len(input_ids) - 1)
             j.position += len(j.pending)
-        dev = self.device
-        meta = self.model.backend.build_metadata(seqs, dev)
-        hidden = self.model(
-            torch.tensor(input_ids, device=dev),
-            torch.tensor(positions, device=dev),
-            self.kv_caches(),
-            meta,
-            num_layers=self.num_layers,
-        )  # [num_tokens, hidden]
-        return self.lm_head(hidden[torch.tensor(last_rows, device=dev)])
+        ids, pos, rows = to_device((input_ids, positions, last_rows), self.device)
+        return self.logits(ids, pos, seqs, rows)
+
+
+def own_model_logits(
+    model: LlamaForCausalLM, kv_caches: list[Tensor], lm_head: LMHead
+) -> DraftLogits:
+    """A draft model's forward over its own KV tensors (one per layer), scored by `lm_head`."""
+
+    def logits(ids: Tensor, positions: Tensor, seqs: list[SeqSpec], rows: Tensor) -> Tensor:
+        meta = model.backend.build_metadata(seqs, ids.device)
+        return lm_head(model(ids, positions, kv_caches, meta)[rows])  # [num_tokens, hidden]
+
+    return logits
 
 
 def draft_kv_bytes_per_block(
@@ -232,28 +236,23 @@ def load_draft_proposer(
         torch.zeros(shape, dtype=kv_dtype, device=device) for _ in range(draft_cfg.num_layers)
     ]
     lm_head = draft_lm_head(path, spec.draft_vocab_size, model)
-    return DraftModelProposer(
-        model, lambda: caches, kv_cache, device, runner.eos_token_ids, lm_head=lm_head
-    )
+    logits = own_model_logits(model, caches, lm_head)
+    return DraftModelProposer(model, logits, kv_cache, device, runner.eos_token_ids)
 
 
 def layerskip_proposer(
     num_layers: int, runner: ModelRunner, kv_cache: KVCacheManager
 ) -> DraftModelProposer:
-    """The target's first `num_layers` layers, final norm and LM head, over its own KV."""
+    """The target's first `num_layers` layers, final norm and LM head, over its own KV (under
+    tensor parallelism a step every rank mirrors: `TPModelRunner.first_layers_logits`)."""
     total = runner.model.cfg.num_layers
     if not 1 <= num_layers < total:
         raise ValueError(
             f"num_layers must be in [1, {total}) (the target's layers), got {num_layers}"
         )
+    logits = partial(runner.first_layers_logits, num_layers)
     return DraftModelProposer(
-        runner.model,
-        lambda: runner.kv_caches[:num_layers],
-        kv_cache,
-        runner.device,
-        runner.eos_token_ids,
-        num_layers,
-        own_kv=False,
+        runner.model, logits, kv_cache, runner.device, runner.eos_token_ids, own_kv=False
     )
 
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-
 POLL_S = 0.001  # how often `get` looks for the next item while it waits
 
 

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -46,13 +46,16 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from tandem.config import EngineConfig
+from tandem.engine.attention import SeqSpec
 from tandem.engine.dtypes import model_device
 from tandem.engine.runner import ModelInput, ModelRunner, StepResult
 from tandem.engine.scheduler import SchedulerOutput
 from tandem.engine.shared_kv import SharedKVFile, move_into_shared_file
 from tandem.engine.tp.group import HOST, TPGroup
+from tandem.engine.tp.integrity import StepLedger, answer_integrity, check_ranks
 from tandem.engine.tp.mailbox import Mailbox
 from tandem.engine.tp.step import (
+    INTEGRITY,
     KEEPALIVE,
     RUN_SERVICE,
     SHARE_KV,
@@ -119,6 +122,7 @@ class TPModelRunner(ModelRunner):
     def __init__(self, *args: Any, group: TPGroup, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.group = group
+        self.ledger = StepLedger()  # the steps this rank sent (rank 0) or ran
         # Rank 0's whole LM head (and embedding) for a Medusa or EAGLE drafter (vocab.py), set
         # once every rank has loaded
         self.whole_vocab: WholeVocab | None = None
@@ -130,17 +134,47 @@ class TPModelRunner(ModelRunner):
 
     def prepare(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> ModelInput:
         inp = super().prepare(out, block_tables)
-        StepMessage(
+        step = StepMessage(
             inp.input_ids, inp.positions, inp.seqs, inp.sample_indices, list(out.block_copies)
-        ).send(self.group)
+        )
+        step.send(self.group)
+        self.ledger.record(step)
         return inp
 
+    def check_ranks(self, live: list[int], first_heads: list[int]) -> None:
+        """Rank 0, between steps: every rank agrees with what rank 0 sent, the holders of the
+        same KV heads (`first_heads[r]`: rank r's first) hold the same KV in the `live` blocks
+        (integrity.py)."""
+        check_ranks(self.group, self.ledger, self.kv_caches, live, first_heads)
+
     def execute(self, *args: Any, **kwargs: Any) -> StepResult:
+        with self._collectives():
+            return super().execute(*args, **kwargs)
+
+    def first_layers_logits(
+        self,
+        num_layers: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: list[SeqSpec],
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rank 0: a layer-skip draft's forward, broadcast first as a step of `num_layers`
+        layers that every rank mirrors over its heads' KV."""
+        with self._collectives():
+            step = StepMessage(input_ids, positions, seqs, rows, [], num_layers)
+            step.send(self.group)
+            self.ledger.record(step)
+            return super().first_layers_logits(num_layers, input_ids, positions, seqs, rows)
+
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """Around rank 0's work with the ranks: a failed collective as `TensorParallelError`."""
         group = self.group
         if group.broken:
             raise TensorParallelError("an earlier step lost a tensor-parallel rank")
         try:
-            return super().execute(*args, **kwargs)
+            yield
         except RuntimeError as e:
             if not group.broken:  # not a collective's failure
                 raise
@@ -151,8 +185,8 @@ class TPModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def serve(self, share_kv: ShareKV, run_service: RunService) -> None:
-        """Run rank 0's steps until it stops the ranks; hand it the KV caches, or start its
-        service over them, when asked."""
+        """Run rank 0's steps until it stops the ranks; hand it the KV caches, start its
+        service over them, or check this rank against rank 0, when asked."""
         while (step := StepMessage.receive(self.group)) != STOP:
             if step == SHARE_KV:
                 share_kv(self.kv_caches)
@@ -160,11 +194,16 @@ class TPModelRunner(ModelRunner):
                 run_service(self.kv_caches)
             elif step == KEEPALIVE:
                 acknowledge(self.group)
+            elif step == INTEGRITY:
+                answer_integrity(self.group, self.ledger, self.kv_caches)
             if not isinstance(step, StepMessage):
                 continue
+            self.ledger.record(step)
             self.copy_blocks(step.block_copies)
             meta = self.backend.build_metadata(step.seqs, self.device)
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, meta)
+            n = step.num_layers
+            caches = self.kv_caches if n is None else self.kv_caches[:n]
+            hidden = self.model(step.input_ids, step.positions, caches, meta, num_layers=n)
             if step.sample_indices.numel():
                 self.model.compute_logits(hidden[step.sample_indices])  # the gather's other end
 
