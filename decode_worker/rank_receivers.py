@@ -181,16 +181,20 @@ class RankReceivers:
 
     def poll(self) -> list[Arrival]:
         """Requests whose reservations ended on every rank, each reported once."""
+        arrivals = self.receiver.poll()
+        self.rank_bytes[0] += sum(a.nbytes for a in arrivals if a.error is None)
         if not self.links:
-            return self.receiver.poll()
-        for a in self.receiver.poll():
+            return arrivals
+        for a in arrivals:
             if a.request_key in self._pending:
                 self._pending[a.request_key].own = a
-            if a.error is None:
-                self.rank_bytes[0] += a.nbytes
         for link in self.links:
             while (report := link.reports.get()) is not None:
                 self._take(link.rank, report)
+            if not link.alive():  # nothing writes there any more, and no report comes
+                lost = TransferError(FailureCause.PEER_LOST, f"decode rank {link.rank} died")
+                for p in self._pending.values():
+                    p.ranks.setdefault(link.rank, (lost, 0))
         done = []
         for key, p in list(self._pending.items()):
             errors = [e for e, _ in p.ranks.values() if e is not None]

@@ -85,7 +85,8 @@ def _rank_step(
     else:
         kind, key, *args = order
         if kind == "begin":
-            streams, timeout_s, num_kv_heads = args
+            streams, timeout_s, num_kv_heads, channel = args
+            sender.channel = channel  # rank 0's: a test may change it between transfers
             transfers[key] = [
                 sender.begin(
                     s.ticket,
@@ -120,12 +121,15 @@ def _rank_step(
 
 
 def _first_error(transfers: Sequence[Any]) -> TransferError | None:
-    """The error that ended a set of streams: the first that is not a CANCELLED (which the
-    others get when one fails), else the first."""
-    errors = [t.status.error for t in transfers if t.status.error is not None]
-    return next(
-        (e for e in errors if e.cause != FailureCause.CANCELLED), errors[0] if errors else None
-    )
+    """The error that ended a set of streams (see `_cause`)."""
+    return _cause([t.status.error for t in transfers])
+
+
+def _cause(errors: Sequence[TransferError | None]) -> TransferError | None:
+    """The first error that is not a CANCELLED (which the other streams get when one fails),
+    else the first."""
+    real = [e for e in errors if e is not None]
+    return next((e for e in real if e.cause != FailureCause.CANCELLED), real[0] if real else None)
 
 
 class RankTransfer:
@@ -211,14 +215,7 @@ class RankTransfer:
             self.abort()
         if len(self._ended) < len(self.local) or len(self._reports) < len(self.links):
             return False
-        error = _first_error(self._ended) or next(
-            (
-                e
-                for e in self._reports.values()
-                if e is not None and e.cause != FailureCause.CANCELLED
-            ),
-            next((e for e in self._reports.values() if e is not None), None),
-        )
+        error = _cause([t.status.error for t in self._ended] + list(self._reports.values()))
         self.done_time = max([t.done_time for t in self._ended] + [time.monotonic()])
         self.nbytes = sum(t.nbytes for t in self._ended) + sum(self.rank_bytes.values())
         if error is not None:
@@ -281,7 +278,8 @@ class RankSenders:
                 if s.prefill_rank == link.rank
             ]
             if mine:
-                link.orders.put(("begin", ticket.request_key, mine, timeout, self.num_kv_heads))
+                order = ("begin", ticket.request_key, mine, timeout, self.num_kv_heads)
+                link.orders.put((*order, self.sender.channel))
                 links.append(link)
         transfer = RankTransfer(ticket, local, links, self.num_layers)
         self._transfers[ticket.request_key] = transfer
@@ -292,12 +290,12 @@ class RankSenders:
         """Transfers that ended and whose source blocks no stream reads any more."""
         done: list[OutboundTransfer | RankTransfer] = []
         for t in self.sender.poll():
+            self.rank_bytes[0] += t.nbytes if t.status.error is None else 0
             owner = self._owner.pop(id(t), None)
             if owner is None:
                 done.append(t)
             else:
                 owner._ended.append(t)
-                self.rank_bytes[0] += t.nbytes
         for link in self.links:
             while (report := link.reports.get()) is not None:
                 key, error, nbytes = report
@@ -306,6 +304,11 @@ class RankSenders:
                 if transfer is not None:
                     transfer._reports[link.rank] = error
                     transfer.rank_bytes[link.rank] = nbytes
+            if not link.alive():  # nothing reads there any more, and no report comes
+                lost = TransferError(FailureCause.PEER_LOST, f"prefill rank {link.rank} died")
+                for transfer in self._transfers.values():
+                    if link in transfer.links:
+                        transfer._reports.setdefault(link.rank, lost)
         for key, transfer in list(self._transfers.items()):
             if transfer._settle():
                 del self._transfers[key]

@@ -33,8 +33,9 @@ from decode_worker.decode_core import DecodeWorker, OutputStream
 from kv_transfer.state import FailureCause, TransferError
 from kv_transfer.ticket import KVTicket
 from prefill_worker.prefill_core import PrefillResult, PrefillWorker
+from prefill_worker.rank_senders import RankTransfer
 from tandem.cluster.workers import build_worker
-from tandem.config import EngineConfig, TransferConfig, WorkerConfig
+from tandem.config import FAULT_KV_TRAILER_DELAY, EngineConfig, TransferConfig, WorkerConfig
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.executor import TPExecutor
 from tandem.engine.tp.ranks import TensorParallelError
@@ -71,15 +72,19 @@ def reference(smollm2_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def workers(smollm2_path: Path) -> Iterator[dict[str, PrefillWorker | DecodeWorker]]:
-    """P1, P3, D1, D3 by name; the prefill workers pick the plane each test asks for. Built
-    at once: their ranks load side by side."""
+    """P1, P3, D1, D3 by name, and P3r, D3r at TP 3 moving KV per rank; the prefill workers
+    pick the plane each test asks for. Built at once: their ranks load side by side."""
     fail = TransferConfig(on_failure="fail")
+    per_rank = TransferConfig(on_failure="fail", per_rank=True)
     builders: dict[str, Callable[[], PrefillWorker | DecodeWorker]] = {}
     for tp in (3, 1):
         builders[f"P{tp}"] = functools.partial(PrefillWorker, _config(smollm2_path, tp))
         builders[f"D{tp}"] = functools.partial(
             DecodeWorker, _config(smollm2_path, tp), transfer=fail
         )
+    three = _config(smollm2_path, 3)
+    builders["P3r"] = functools.partial(PrefillWorker, three, transfer=per_rank)
+    builders["D3r"] = functools.partial(DecodeWorker, three, transfer=per_rank)
     with ThreadPoolExecutor(len(builders)) as pool:
         futures = {name: pool.submit(build) for name, build in builders.items()}
         made = {name: future.result() for name, future in futures.items()}
@@ -144,14 +149,69 @@ def test_greedy_tokens_across_tp_sizes(
     _no_block_held(prefill, decode)
 
 
-@pytest.mark.parametrize("channel", ["grpc", "shm"])
+def _rank_bytes(prefill: PrefillWorker, decode: DecodeWorker) -> tuple[list[int], list[int]]:
+    """Bytes each prefill rank sent and each decode rank received so far (per-rank transfer)."""
+    return list(prefill.outbound.rank_bytes), list(decode.receiver.rank_bytes)
+
+
+def _every_rank_moved(
+    before: tuple[list[int], list[int]], prefill: PrefillWorker, decode: DecodeWorker
+) -> None:
+    """Each decode rank received bytes of its own, and each prefill rank that holds a head no
+    lower rank holds sent some: the ranks, not rank 0, moved them."""
+    sent, received = _rank_bytes(prefill, decode)
+    assert all(now > then for now, then in zip(received, before[1], strict=True)), received
+    heads = [range(0, 0)] + [prefill.outbound.prefill_heads[r] for r in range(len(sent))]
+    senders = [r for r in range(len(sent)) if heads[r + 1].start >= heads[r].stop]
+    assert all(sent[r] > before[0][r] for r in senders), sent
+
+
+@pytest.mark.parametrize(
+    ("sides", "channel"),
+    [
+        (("P3r", "D1"), "grpc"),
+        (("P1", "D3r"), "grpc"),
+        (("P3r", "D1"), "shm"),
+        (("P1", "D3r"), "shm"),
+        (("P3r", "D1"), "pair"),
+        (("P1", "D3r"), "pair"),
+        (("P3r", "D3r"), "auto"),  # shm: the same host
+    ],
+)
+def test_per_rank_greedy_tokens_across_tp_sizes(
+    workers: dict[str, PrefillWorker | DecodeWorker],
+    reference: list[int],
+    sides: tuple[str, str],
+    channel: str,
+) -> None:
+    """Each prefill rank sends its heads, each decode rank receives its own (fan-in into D TP
+    1, fan-out from P TP 1, rank to rank at equal sizes), on every plane."""
+    prefill, decode = workers[sides[0]], workers[sides[1]]
+    assert isinstance(prefill, PrefillWorker) and isinstance(decode, DecodeWorker)
+    before = _rank_bytes(prefill, decode)
+    stream, outcome = _transfer(prefill, decode, f"{'-'.join(sides)}-{channel}", channel, PROMPT)
+    assert isinstance(outcome, PrefillResult), outcome
+    assert outcome.data_plane == (channel if channel != "auto" else "shm")
+    assert stream.tokens() == reference
+    _every_rank_moved(before, prefill, decode)
+    _no_block_held(prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("name", "channel"), [("D3", "grpc"), ("D3", "shm"), ("D3r", "grpc"), ("D3r", "shm")]
+)
 def test_unconvertible_layout_fails_both_sides(
-    workers: dict[str, PrefillWorker | DecodeWorker], tiny_llama_path: Path, channel: str
+    workers: dict[str, PrefillWorker | DecodeWorker],
+    tiny_llama_path: Path,
+    name: str,
+    channel: str,
 ) -> None:
     """The tiny model's 2 KV heads and 2 layers into SmolLM2's at TP 3 (on shm, into its
-    ranks' caches, opened before the header is refused: nothing is written)."""
-    decode = workers["D3"]
+    ranks' caches, opened before the header is refused: nothing is written); per rank (D3r),
+    decode rank 0 refuses the header and no rank receives a byte."""
+    decode = workers[name]
     assert isinstance(decode, DecodeWorker)
+    received = list(decode.receiver.rank_bytes)
     prefill = PrefillWorker(EngineConfig.create(str(tiny_llama_path), **OPTIONS))
     prefill.start()
     try:
@@ -161,19 +221,25 @@ def test_unconvertible_layout_fails_both_sides(
         with pytest.raises(TransferError) as decode_error:
             stream.tokens()
         assert decode_error.value.cause == FailureCause.BAD_METADATA
+        assert decode.receiver.rank_bytes == received
         _no_block_held(prefill, decode)
     finally:
         prefill.close()
         prefill.engine.close()
 
 
-@pytest.mark.parametrize("sides", [(2, 4), (4, 2)])
-def test_replicated_kv_heads_across_tp_sizes(tiny_llama_path: Path, sides: tuple[int, int]) -> None:
-    """Every plane between one pair of workers."""
+@pytest.mark.parametrize(
+    ("sides", "per_rank"), [((2, 4), False), ((4, 2), False), ((2, 4), True), ((4, 2), True)]
+)
+def test_replicated_kv_heads_across_tp_sizes(
+    tiny_llama_path: Path, sides: tuple[int, int], per_rank: bool
+) -> None:
+    """Every plane between one pair of workers; per rank, every decode rank receives its
+    head (a replicated one from the prefill rank that sends it), each head sent once."""
     prompt = list(range(5, 42))
-    fail = TransferConfig(on_failure="fail")
+    fail = TransferConfig(on_failure="fail", per_rank=per_rank)
     with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(PrefillWorker, _config(tiny_llama_path, sides[0]))
+        p = pool.submit(PrefillWorker, _config(tiny_llama_path, sides[0]), transfer=fail)
         d = pool.submit(DecodeWorker, _config(tiny_llama_path, sides[1]), transfer=fail)
         prefill, decode = p.result(), d.result()
     try:
@@ -181,10 +247,13 @@ def test_replicated_kv_heads_across_tp_sizes(tiny_llama_path: Path, sides: tuple
         decode.start()
         reference = _colocated(tiny_llama_path, prompt)
         for channel in ("grpc", "pair", "shm"):
+            before = _rank_bytes(prefill, decode)
             stream, outcome = _transfer(prefill, decode, f"tiny-{sides}-{channel}", channel, prompt)
             assert isinstance(outcome, PrefillResult), outcome
             assert outcome.data_plane == channel
             assert stream.tokens() == reference
+            if per_rank:
+                _every_rank_moved(before, prefill, decode)
             _no_block_held(prefill, decode)
     finally:
         for worker in (prefill, decode):
@@ -237,26 +306,49 @@ def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
         registry.close()
 
 
-@pytest.mark.parametrize("sides", [(2, 4), (4, 2)])
-def test_per_rank_replicated_kv_heads(tiny_llama_path: Path, sides: tuple[int, int]) -> None:
-    """Per-rank transfer, every plane: each decode rank receives its own bytes."""
-    prompt = list(range(5, 42))
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_per_rank_stream_lost_fails_the_transfer(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    """P TP 2 -> D TP 2 per rank, rank 1's stream cut mid-transfer (the trailer held back, the
+    rank's process killed): the whole transfer fails on both sides with a typed error, and the
+    side whose rank lives holds no block on any rank."""
+    monkeypatch.setenv(FAULT_KV_TRAILER_DELAY, "3")
     per_rank = TransferConfig(on_failure="fail", per_rank=True)
     with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(PrefillWorker, _config(tiny_llama_path, sides[0]), transfer=per_rank)
-        d = pool.submit(DecodeWorker, _config(tiny_llama_path, sides[1]), transfer=per_rank)
+        p = pool.submit(PrefillWorker, _config(tiny_llama_path, 2), transfer=per_rank)
+        d = pool.submit(DecodeWorker, _config(tiny_llama_path, 2), transfer=per_rank)
         prefill, decode = p.result(), d.result()
     try:
         prefill.start()
         decode.start()
-        reference = _colocated(tiny_llama_path, prompt)
-        for channel in ("grpc", "pair", "shm"):
-            stream, outcome = _transfer(prefill, decode, f"rank-{sides}-{channel}", channel, prompt)
-            assert isinstance(outcome, PrefillResult), outcome
-            assert stream.tokens() == reference
-            _no_block_held(prefill, decode)
-        print(decode.receiver.rank_bytes, prefill.outbound.rank_bytes)
-        assert all(decode.receiver.rank_bytes)
+        prompt = list(range(5, 42))
+        ticket_future, stream = decode.reserve("cut", prompt, GREEDY)
+        ticket = ticket_future.result(WAIT_S)
+        assert isinstance(ticket, KVTicket)
+        result = prefill.submit("cut", prompt, GREEDY, ticket)
+        deadline = time.monotonic() + WAIT_S
+        transfer = prefill.call(lambda: prefill._transfers["cut"]).result(WAIT_S)
+        assert isinstance(transfer, RankTransfer)
+        while not transfer.local[0].nbytes:  # rank 0's layers are out
+            assert time.monotonic() < deadline, "no layer went out"
+            time.sleep(0.01)
+        time.sleep(0.3)  # rank 1's too; the trailer is held back: every stream is open
+        victim = prefill if side == "prefill" else decode
+        executor = victim.engine.executor
+        assert isinstance(executor, TPExecutor)
+        executor.ranks.handles[0].kill()
+        with pytest.raises(Exception) as decode_error:  # either kind: it must not hang
+            stream.tokens()
+        if side == "prefill":  # the decode worker lives: its rank 1's stream broke
+            assert isinstance(decode_error.value, TransferError), decode_error.value
+            assert decode_error.value.cause == FailureCause.PEER_LOST
+            _no_block_held(decode)
+        else:  # the prefill worker lives: its rank 1's stream into the dead rank broke
+            error = result.exception(WAIT_S)
+            assert isinstance(error, TransferError), error
+            assert error.cause == FailureCause.PEER_LOST
+            _no_block_held(prefill)
     finally:
         for worker in (prefill, decode):
             worker.close()

@@ -96,12 +96,14 @@ RankService = Callable[[RankContext], Any]
 
 @dataclass(frozen=True)
 class RankLink:
-    """Rank 0's end of its service in rank `rank`: what it returned, and the mailboxes."""
+    """Rank 0's end of its service in rank `rank`: what it returned, the mailboxes, and
+    whether the rank still runs (a dead rank reports nothing more)."""
 
     rank: int
     started: Any
     orders: Mailbox  # to the rank
     reports: Mailbox  # from the rank
+    alive: Callable[[], bool]
 
 
 JOIN_SECONDS = 10.0  # how long `stop` waits for a rank to exit before killing it
@@ -355,7 +357,8 @@ class Ranks:
             if isinstance(started, BaseException):
                 raise started
             orders, reports = _mailboxes(self._store, rank)
-            links.append(RankLink(rank, started, orders, reports))
+            alive = self.handles[rank - 1].is_alive
+            links.append(RankLink(rank, started, orders, reports, alive))
         return links
 
     def stop(self) -> None:
