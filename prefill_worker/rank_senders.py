@@ -257,7 +257,8 @@ class RankSenders:
         try:
             streams = rank_streams(self.prefill_heads, [d.heads for d in decode])
         except ValueError:  # another model: decode rank 0 refuses the header, nothing moves
-            streams = [RankStream(0, 0, self.prefill_heads[0])]
+            first = range(0, min(self.prefill_heads[0].stop, decode[0].heads.stop))
+            streams = [RankStream(0, 0, first)]
         timeout = ticket.timeout_s if call_timeout_s is None else call_timeout_s
         local = []
         for s in streams:
