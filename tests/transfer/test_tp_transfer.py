@@ -72,10 +72,11 @@ def reference(smollm2_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def workers(smollm2_path: Path) -> Iterator[dict[str, PrefillWorker | DecodeWorker]]:
-    """P1, P3, D1, D3 by name, and P3r, D3r at TP 3 moving KV per rank; the prefill workers
-    pick the plane each test asks for. Built at once: their ranks load side by side."""
-    fail = TransferConfig(on_failure="fail")
-    per_rank = TransferConfig(on_failure="fail", per_rank=True)
+    """P1, P3, D1, D3 by name (TP 3 on the rank-0 path), and P3r, D3r at TP 3 moving KV per
+    rank; the prefill workers pick the plane each test asks for. Built at once: their ranks
+    load side by side."""
+    fail = TransferConfig(on_failure="fail", per_rank=False)
+    per_rank = TransferConfig(on_failure="fail")
     builders: dict[str, Callable[[], PrefillWorker | DecodeWorker]] = {}
     for tp in (3, 1):
         builders[f"P{tp}"] = functools.partial(PrefillWorker, _config(smollm2_path, tp))
@@ -314,7 +315,7 @@ def test_per_rank_stream_lost_fails_the_transfer(
     rank's process killed): the whole transfer fails on both sides with a typed error, and the
     side whose rank lives holds no block on any rank."""
     monkeypatch.setenv(FAULT_KV_TRAILER_DELAY, "3")
-    per_rank = TransferConfig(on_failure="fail", per_rank=True)
+    per_rank = TransferConfig(on_failure="fail")
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(PrefillWorker, _config(tiny_llama_path, 2), transfer=per_rank)
         d = pool.submit(DecodeWorker, _config(tiny_llama_path, 2), transfer=per_rank)
