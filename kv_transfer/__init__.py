@@ -7,7 +7,9 @@ same host, in shared memory or opened by CUDA IPC; a torch.distributed pair; or 
 stream's own messages), then the first token. Control is one Push stream whatever the plane: on
 the receiver's gRPC service, or, for the shared cache, the same messages on its host-local Unix
 socket (`local_control`, which falls back to gRPC). So every plane shares one state machine, one
-set of deadlines and one set of typed failures (`kv_transfer.state`).
+set of deadlines and one set of typed failures (`kv_transfer.state`). Between tensor-parallel
+workers each rank pair that shares KV heads has a stream of its own, carrying those heads
+(`kv_transfer.fanout`; the workers' rank services drive them: docs/kv_transfer.md).
 """
 
 from kv_transfer.receiver import Arrival, KVReceiver

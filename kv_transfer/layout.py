@@ -26,7 +26,8 @@ A tensor-parallel worker's layer is a `HeadShards` (tandem/engine/tp/kv_view.py)
 tensors, each holding some of the heads. The wire tensor still has every head in order: a
 gather joins the ranks' heads (a replicated head read once), a scatter writes each rank its heads
 (every rank that holds one), through one staging tensor per layer; the in-place row paths are
-for single tensors.
+for single tensors. A `HeadWindow` (one stream of a per-rank transfer: some heads of one rank's
+cache) gathers the rank's rows, then its heads, and scatters into its heads of the slots.
 """
 
 from __future__ import annotations

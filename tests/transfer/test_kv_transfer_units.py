@@ -13,6 +13,7 @@ import torch
 
 from kv_transfer import FailureCause, KVLayout, KVTicket, TransferError, TransferState, layout
 from kv_transfer.fake import FaultyPlane, at_layer
+from kv_transfer.fanout import RankStream, rank_streams
 from kv_transfer.layout import (
     as_bytes,
     from_bytes,
@@ -24,8 +25,9 @@ from kv_transfer.layout import (
 )
 from kv_transfer.planes import DataPlane
 from kv_transfer.state import TransferStatus
-from kv_transfer.ticket import RankCache, check_listing
+from kv_transfer.ticket import DecodeRank, RankCache, check_listing
 from kv_transfer.wire import layer_message, parse_chunk
+from tandem.engine.tp.kv_view import HeadWindow, head_window
 from tandem.v1 import kv_transfer_pb2 as pb
 
 CPU = torch.device("cpu")
@@ -214,6 +216,7 @@ def test_ticket_proto_round_trip() -> None:
         shared_caches=(RankCache("/dev/shm/tandem-kv-x", 0, 1), RankCache("/dev/shm/y", 1, 1)),
         pair_store="10.0.0.2:6000",
         timeout_s=2.5,
+        ranks=(DecodeRank(0, 1, "h:1", "h:2", "sock", "/dev/shm/a"), DecodeRank(1, 1, "h:3")),
     )
     wire = ticket.to_proto().SerializeToString()
     assert KVTicket.from_proto(pb.KVTicket.FromString(wire)) == ticket
@@ -221,6 +224,64 @@ def test_ticket_proto_round_trip() -> None:
     assert KVTicket.from_proto(pb.KVTicket.FromString(minimal.to_proto().SerializeToString())) == (
         minimal
     )
+
+
+def test_a_ticket_seen_by_one_decode_rank() -> None:
+    """A per-rank stream's ticket: that rank's endpoints and its shared cache with its heads; a
+    ticket without ranks is one rank holding every head."""
+    ranks = (DecodeRank(0, 1, "h:1", "h:2", "s0", "/a"), DecodeRank(1, 1, "h:3", "h:4", "s1"))
+    ticket = KVTicket("r", "h:1", (3,), LAYOUT, "fp", 4, ranks=ranks)
+    one = ticket.for_rank(1)
+    assert (one.endpoint, one.pair_store, one.local_control) == ("h:3", "h:4", "s1")
+    assert (one.shared_caches, one.ranks, one.block_ids) == ((), (), (3,))
+    assert ticket.for_rank(0).shared_caches == (RankCache("/a", 0, 1),)
+    plain = KVTicket("r", "h:9", (3,), LAYOUT, "fp", 4, shared_caches=(RankCache("/z", 0, 2),))
+    assert plain.decode_ranks() == (DecodeRank(0, 2, "h:9", "", "", "/z"),)
+
+
+def test_rank_streams_send_each_head_once_to_every_holder() -> None:
+    """Fan-out (P TP 1 -> D TP 3), fan-in (3 -> 1), replicated heads both ways (the tiny
+    model's 2 KV heads at TP 2 <-> 4); another model's heads are refused."""
+    r = range
+    assert rank_streams([r(0, 3)], [r(0, 1), r(1, 2), r(2, 3)]) == [
+        RankStream(0, d, r(d, d + 1)) for d in range(3)
+    ]
+    assert rank_streams([r(0, 1), r(1, 2), r(2, 3)], [r(0, 3)]) == [
+        RankStream(p, 0, r(p, p + 1)) for p in range(3)
+    ]
+    assert rank_streams([r(0, 1), r(1, 2)], [r(0, 1), r(0, 1), r(1, 2), r(1, 2)]) == [
+        RankStream(0, 0, r(0, 1)),
+        RankStream(0, 1, r(0, 1)),
+        RankStream(1, 2, r(1, 2)),
+        RankStream(1, 3, r(1, 2)),
+    ]
+    assert rank_streams([r(0, 1), r(0, 1), r(1, 2), r(1, 2)], [r(0, 1), r(1, 2)]) == [
+        RankStream(0, 0, r(0, 1)),
+        RankStream(2, 1, r(1, 2)),
+    ]
+    with pytest.raises(ValueError, match="prefill ranks hold KV heads"):
+        rank_streams([r(0, 2)], [r(0, 1), r(1, 2), r(2, 3)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_a_head_window_gathers_and_scatters_its_heads_only(dtype: torch.dtype) -> None:
+    """Head 1 of a 3-head cache into head 0 of a 2-head cache, through the wire tensor; every
+    other head stays untouched."""
+    src = torch.arange(2 * 3 * 4 * 3 * 8).view(2, 3, 4, 3, 8).to(dtype)
+    dst = torch.full((2, 2, 4, 2, 8), 7, dtype=dtype)
+    slots_src = slot_mapping([2, 0], 4, 6, CPU)
+    slots_dst = slot_mapping([1, 0], 4, 6, CPU)
+    wire = gather_tokens(HeadWindow(src, 1, 1), slots_src)
+    assert wire.shape == (2, 6, 1, 8)
+    assert torch.equal(wire, src.view(2, -1, 3, 8)[:, slots_src, 1:2])
+    scatter_tokens(HeadWindow(dst, 0, 1), slots_dst, wire)
+    flat = dst.view(2, -1, 2, 8)
+    assert torch.equal(flat[:, slots_dst, 0:1], wire)
+    assert (flat[:, :, 1] == 7).all()
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots_dst] = False
+    assert (flat[:, untouched] == 7).all()
+    assert head_window([src], 0, 3) == [src]  # every head: the tensor itself
 
 
 def test_a_rank_listing_must_cover_the_heads_within_the_model() -> None:

@@ -15,6 +15,12 @@ TP 1 engine's.
 
 A decode worker at TP 2 (tiny model) whose rank 1 is killed mid-decode: the request ends with an
 error, the worker leaves the registry within its TTL and reports itself lost.
+
+Per rank (the default; the tests above pin the rank-0 path with `per_rank=False`): each
+prefill rank sends its own heads, each decode rank receives its own, one stream per rank pair
+(SmolLM2 P3r -> D1, P1 -> D3r, P3r -> D3r; the tiny model 2 <-> 4), asserted through the ranks'
+byte counters; a stream cut by killing rank 1 on either side fails the transfer on both; another
+model's layout is refused by decode rank 0 before any rank receives a byte.
 """
 
 from __future__ import annotations

@@ -1,4 +1,10 @@
-"""Rank 0's view of a tensor-parallel engine's whole KV cache, for a worker's KV transfer.
+"""A tensor-parallel engine's KV cache as a worker's KV transfer sees it.
+
+Per rank (the default transfer): `rank_heads` says which of the model's KV heads each rank
+holds, and a `HeadWindow` is some of those heads of one rank's cache, which one stream of a
+per-rank transfer reads (a prefill rank) or writes (a decode rank) in place.
+
+The rank-0 path (`TransferConfig.per_rank=False`), below:
 
 Each rank's cache holds its KV heads (`shard.py`). Rank 0 asks the ranks for their cache tensors
 once (`Ranks.kv_caches`): torch.multiprocessing hands them over as shared memory on the
