@@ -56,53 +56,55 @@ def serve_rank(
     sender = KVSender(fingerprint, host, channel, pair_idle_s=pair_idle_s)
     ctx.closers.append(sender.close)
     threading.Thread(
-        target=_rank_loop, args=(sender, ctx), name=f"kv-rank-{ctx.rank}-send", daemon=True
+        target=_RankStreams(sender, ctx).run, name=f"kv-rank-{ctx.rank}-send", daemon=True
     ).start()
 
 
-def _rank_loop(sender: KVSender, ctx: RankContext) -> None:
-    transfers: dict[str, list[OutboundTransfer]] = {}
-    ended: dict[str, list[OutboundTransfer]] = {}
-    ready: dict[str, int] = {}  # layers passed to the streams: [0, ready)
-    while not ctx.stopping.is_set():
-        try:
-            _rank_step(sender, ctx, transfers, ended, ready)
-        except Exception:  # a bad order fails its transfer (its deadline), not the others
-            log.exception("KV rank %d", ctx.rank)
+class _RankStreams:
+    """A prefill rank's streams, by request, as rank 0's orders begin and drive them; a
+    request's report goes back once all of its streams ended."""
 
+    def __init__(self, sender: KVSender, ctx: RankContext) -> None:
+        self.sender = sender
+        self.ctx = ctx
+        self.streams: dict[str, list[OutboundTransfer]] = {}
+        self.ended: dict[str, list[OutboundTransfer]] = {}
+        self.ready: dict[str, int] = {}  # layers passed to a request's streams: [0, ready)
 
-def _rank_step(
-    sender: KVSender,
-    ctx: RankContext,
-    transfers: dict[str, list[OutboundTransfer]],
-    ended: dict[str, list[OutboundTransfer]],
-    ready: dict[str, int],
-) -> None:
-    """Take the next order (or wait a moment), then report the requests whose streams ended."""
-    order = ctx.orders.get()
-    if order is None:
-        time.sleep(ORDER_POLL_S if transfers else IDLE_POLL_S)
-    else:
-        kind, key, *args = order
+    def run(self) -> None:
+        while not self.ctx.stopping.is_set():
+            try:
+                order = self.ctx.orders.get()
+                if order is None:
+                    time.sleep(ORDER_POLL_S if self.streams else IDLE_POLL_S)
+                else:
+                    self.take(*order)
+                self.report()
+            except Exception:  # a bad order fails its transfer (its deadline), not the others
+                log.exception("KV rank %d", self.ctx.rank)
+
+    def take(self, kind: str, key: str, *args: Any) -> None:
         if kind == "begin":
             streams, timeout_s, num_kv_heads, channel = args
-            sender.channel = channel  # rank 0's: a test may change it between transfers
-            transfers[key] = [
-                sender.begin(
+            self.sender.channel = channel  # rank 0's: a test may change it between transfers
+            caches = self.ctx.kv_caches
+            self.streams[key] = [
+                self.sender.begin(
                     s.ticket,
-                    head_window(ctx.kv_caches, s.first, len(s.heads)),
+                    head_window(caches, s.first, len(s.heads)),
                     timeout_s,
                     s.heads,
                     num_kv_heads,
                 )
                 for s in streams
             ]
-            ended[key], ready[key] = [], 0
-        for t in transfers.get(key, []) if kind != "begin" else []:
+            self.ended[key], self.ready[key] = [], 0
+            return
+        for t in self.streams.get(key, []):
             if kind == "source":
                 t.set_source(args[0])
             elif kind == "ready":
-                for layer in range(ready[key], args[0] + 1):
+                for layer in range(self.ready[key], args[0] + 1):
                     t.layer_ready(layer)
             elif kind == "finish":
                 t.finish(0)  # a bare trailer: the request's rides rank 0's streams
@@ -110,14 +112,16 @@ def _rank_step(
                 t.renew()
             elif kind == "abort":
                 t.abort()
-        if kind == "ready" and key in ready:
-            ready[key] = max(ready[key], args[0] + 1)
-    for t in sender.poll():
-        ended[t.ticket.request_key].append(t)
-    for key in [k for k, ts in transfers.items() if len(ended[k]) == len(ts)]:
-        done = ended.pop(key)
-        del transfers[key], ready[key]
-        ctx.reports.put((key, _first_error(done), sum(t.nbytes for t in done)))
+        if kind == "ready" and key in self.ready:
+            self.ready[key] = max(self.ready[key], args[0] + 1)
+
+    def report(self) -> None:
+        for t in self.sender.poll():
+            self.ended[t.ticket.request_key].append(t)
+        for key in [k for k, ts in self.streams.items() if len(self.ended[k]) == len(ts)]:
+            done = self.ended.pop(key)
+            del self.streams[key], self.ready[key]
+            self.ctx.reports.put((key, _first_error(done), sum(t.nbytes for t in done)))
 
 
 def _first_error(transfers: Sequence[Any]) -> TransferError | None:
@@ -207,7 +211,16 @@ class RankTransfer:
             t.abort()
         self._order("abort")
 
-    def _settle(self) -> bool:
+    def stream_ended(self, stream: OutboundTransfer) -> None:
+        """One of rank 0's streams ended."""
+        self._ended.append(stream)
+
+    def rank_reported(self, rank: int, error: TransferError | None, nbytes: int) -> None:
+        """Rank `rank`'s streams all ended (or it died: `error` says so)."""
+        self._reports.setdefault(rank, error)
+        self.rank_bytes[rank] = nbytes
+
+    def settle(self) -> bool:
         """Abort the rest once a stream failed; True once every stream has ended (the final
         status set)."""
         errors = [t.status.error for t in self._ended] + list(self._reports.values())
@@ -257,8 +270,8 @@ class RankSenders:
         try:
             streams = rank_streams(self.prefill_heads, [d.heads for d in decode])
         except ValueError:  # another model: decode rank 0 refuses the header, nothing moves
-            first = range(0, min(self.prefill_heads[0].stop, decode[0].heads.stop))
-            streams = [RankStream(0, 0, first)]
+            heads = range(0, min(self.prefill_heads[0].stop, decode[0].heads.stop))
+            streams = [RankStream(0, 0, heads)]
         timeout = ticket.timeout_s if call_timeout_s is None else call_timeout_s
         local = []
         for s in streams:
@@ -296,22 +309,21 @@ class RankSenders:
             if owner is None:
                 done.append(t)
             else:
-                owner._ended.append(t)
+                owner.stream_ended(t)
         for link in self.links:
             while (report := link.reports.get()) is not None:
                 key, error, nbytes = report
                 self.rank_bytes[link.rank] += nbytes
                 transfer = self._transfers.get(key)
                 if transfer is not None:
-                    transfer._reports[link.rank] = error
-                    transfer.rank_bytes[link.rank] = nbytes
+                    transfer.rank_reported(link.rank, error, nbytes)
             if not link.alive():  # nothing reads there any more, and no report comes
                 lost = TransferError(FailureCause.PEER_LOST, f"prefill rank {link.rank} died")
                 for transfer in self._transfers.values():
                     if link in transfer.links:
-                        transfer._reports.setdefault(link.rank, lost)
+                        transfer.rank_reported(link.rank, lost, 0)
         for key, transfer in list(self._transfers.items()):
-            if transfer._settle():
+            if transfer.settle():
                 del self._transfers[key]
                 done.append(transfer)
         return done
