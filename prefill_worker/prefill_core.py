@@ -82,7 +82,7 @@ class PrefillWorker(EngineLoop):
         super().__init__(engine, "prefill-loop")
         executor = engine.executor
         self.fingerprint = model_fingerprint(executor.model_config, engine.model_path)
-        self.sender = sender or KVSender(
+        sender = sender or KVSender(
             self.fingerprint, host, transfer.channel, pair_idle_s=transfer.pair_idle_s
         )
         tp = engine.config.model.tensor_parallel_size
@@ -97,7 +97,7 @@ class PrefillWorker(EngineLoop):
         else:  # rank 0 sends every head (under TP, its view of every rank's cache)
             self.kv_caches = executor.kv_view()
             heads = [range(executor.model_config.num_kv_heads)]
-        self.outbound = RankSenders(self.sender, links, heads, len(self.kv_caches))
+        self.outbound = RankSenders(sender, links, heads, len(self.kv_caches))
         self.stream_layers = stream_layers
         self.transfer_metrics = TransferMetrics()
         self._transfers: dict[str, OutboundTransfer | RankTransfer] = {}
@@ -107,6 +107,15 @@ class PrefillWorker(EngineLoop):
         self._sourced: set[str] = set()
         self.step_delay_s = fault_prefill_step_delay_s()  # 0 unless a test injects the fault
         self.trailer_delay_s = fault_kv_trailer_delay_s()  # likewise
+
+    @property
+    def sender(self) -> KVSender:
+        """Rank 0's KV sender (its streams; the other ranks' are in their own processes)."""
+        return self.outbound.sender
+
+    @sender.setter
+    def sender(self, sender: KVSender) -> None:
+        self.outbound.sender = sender
 
     # -- any thread ---------------------------------------------------------------------------
 

@@ -246,8 +246,10 @@ class _RecordingSender(KVSender):
         self.planes: dict[str, str] = {}
         self.sent: dict[str, dict[int, torch.Tensor]] = {}
 
-    def choose_plane(self, ticket: KVTicket, device: torch.device) -> DataPlane:
-        plane = super().choose_plane(ticket, device)
+    def choose_plane(
+        self, ticket: KVTicket, device: torch.device, heads: range | None = None
+    ) -> DataPlane:
+        plane = super().choose_plane(ticket, device, heads)
         self.planes[ticket.request_key] = _plane_name(plane)
         return _Recorder(plane, self.sent.setdefault(ticket.request_key, {}))
 
