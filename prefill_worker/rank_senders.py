@@ -10,9 +10,9 @@ Rank 0's streams run on its own `KVSender`; rank p's in the rank's own process, 
 this module starts there (`serve_rank`), which rank 0 drives through the ranks' store
 (tandem/engine/tp/mailbox.py): begin, source blocks, layers ready, finish, renew, abort. Layer l
 is in every rank's cache once rank 0's forward has passed layer l (each rank wrote its KV of
-layer l before the all-reduce that ends it), so rank 0 passes layer readiness on, after layers
-1, 2, 4, ... and the last (an order is a store round trip, on the forward's path). The trailer
-(first token, extras) rides rank 0's streams; the other ranks' streams end with a bare one (the
+layer l before the all-reduce that ends it), so rank 0 passes layer readiness on, at most
+every READY_EVERY_S and after the last layer (an order is a store round trip, on the forward's
+path). The trailer (first token, extras) rides rank 0's streams; the other ranks' streams end with a bare one (the
 decode side takes the trailer of the stream that carries head 0, always rank 0's). A transfer is
 done when every stream is (rank p reports once all of its streams are); it fails as soon as one
 stream fails (the others are aborted), and the worker frees the source blocks only once every
@@ -37,6 +37,9 @@ from tandem.engine.tp.ranks import RankContext, RankLink
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.005  # how long an idle rank waits for an order at a time
+# Layer readiness goes to the ranks at most this often (and after the last layer): every layer of
+# a long prompt (each takes longer), a few of a short one's (an order costs its step ~0.1 ms).
+READY_EVERY_S = 0.005
 ORDER_POLL_S = 0.002  # how often a rank with streams in flight looks for orders and ends
 
 
@@ -159,6 +162,7 @@ class RankTransfer:
         self._ended: list[OutboundTransfer] = []
         self._reports: dict[int, TransferError | None] = {}
         self._renewed = self.started
+        self._posted = 0.0  # when layer readiness last went to the ranks
         self._aborted = False
 
     @property
@@ -181,8 +185,9 @@ class RankTransfer:
     def layer_ready(self, layer: int) -> None:
         for t in self.local:
             t.layer_ready(layer)
-        done = layer + 1
-        if done & (done - 1) == 0 or done == self.num_layers:  # 1, 2, 4, ... and the last
+        now = time.monotonic()
+        if now - self._posted >= READY_EVERY_S or layer == self.num_layers - 1:
+            self._posted = now
             self._order("ready", layer)
 
     def all_layers_ready(self) -> None:
