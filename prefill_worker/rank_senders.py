@@ -10,13 +10,13 @@ Rank 0's streams run on its own `KVSender`; rank p's in the rank's own process, 
 this module starts there (`serve_rank`), which rank 0 drives through the ranks' store
 (tandem/engine/tp/mailbox.py): begin, source blocks, layers ready, finish, renew, abort. Layer l
 is in every rank's cache once rank 0's forward has passed layer l (each rank wrote its KV of
-layer l before the all-reduce that ends it), so rank 0 passes layer readiness on, at most
-every READY_EVERY_S and after the last layer (an order is a store round trip, on the forward's
-path). The trailer (first token, extras) rides rank 0's streams; the other ranks' streams end with a bare one (the
-decode side takes the trailer of the stream that carries head 0, always rank 0's). A transfer is
-done when every stream is (rank p reports once all of its streams are); it fails as soon as one
-stream fails (the others are aborted), and the worker frees the source blocks only once every
-rank has reported its streams stopped.
+layer l before the all-reduce that ends it), so rank 0 passes layer readiness on, at most every
+READY_EVERY_S and after the last layer (an order is a store round trip, on the forward's path).
+The trailer (first token, extras) rides rank 0's streams; the other ranks' streams end with a
+bare one (the decode side takes the trailer of the stream that carries head 0, always rank 0's).
+A transfer is done when every stream is (rank p reports once all of its streams are); it fails
+as soon as one stream fails (the others are aborted), and the worker frees the source blocks
+only once every rank has reported its streams stopped.
 """
 
 from __future__ import annotations
