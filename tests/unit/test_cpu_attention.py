@@ -82,7 +82,7 @@ def test_kernel_matches_sdpa(
     torch.testing.assert_close(kernel.float(), sdpa.float(), atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("block_size", [4, 5, 16, 32])
 def test_bfloat16_dot_products_of_wide_heads(block_size: int) -> None:
     """bfloat16 queries over a bfloat16 cache with heads 32, 64, 96 or 128 wide (SmolLM2's 64)
     take the bfloat16 dot products, where the CPU has them: exact products summed in float32 for
