@@ -11,10 +11,11 @@
 // not depend on the query length, so a verified token scores as a decode would.
 //
 // bfloat16 queries over a bfloat16 cache, where the CPU has AVX-512 BF16 and heads are 32, 64,
-// 96 or 128 wide, take `attend_span_bf16`: bfloat16 dot products (`vdpbf16ps`, float32 sums)
-// straight from the cache, no widened copy of a block. Measured, 16 decodes over ~800 tokens,
-// SmolLM2's heads, 30 layers' caches, 2 threads: 22 ms against 35 for the float32 path; 16 x 4
-// verified tokens 48 against 94; one decode 1.5 against 2.4 (with the softmax a block then).
+// 96 or 128 wide, take `attend_span_bf16`: the scores are bfloat16 dot products (`vdpbf16ps`,
+// float32 sums) straight from the cache, no widened copy of the keys. Measured, 16 decodes over
+// ~800 tokens, SmolLM2's heads, 30 layers' caches, 2 threads: 22 ms against 35 for the float32
+// path; 16 x 4 verified tokens 48 against 94; one decode 1.5 against 2.4 (4 December, with the
+// values in bfloat16 dot products too and the softmax a block).
 //
 // Cache slots: `head_dim` values in float32 / bfloat16 / float16, or `head_dim` int8 / e4m3
 // codes followed by the 4 bytes of their float32 scale (tandem/engine/kv_quant.py).
@@ -210,7 +211,6 @@ struct Scratch {
   int64_t stride;  // the span's tokens, rounded up to whole registers of 16, plus one register
   std::vector<float> scores;
   std::vector<float> block;
-  std::vector<uint16_t> p_high, p_low;  // the bfloat16 path's numerators, as two bfloat16 each
 
   Scratch(int64_t span_tokens, int64_t block_floats)
       : stride((span_tokens + 15) / 16 * 16 + 16), block(block_floats) {}
@@ -242,10 +242,10 @@ const float* block_rows(const T* slots, int64_t n, int64_t num_kv_heads, int64_t
 // (pass 1, keys read block by block), their softmax at once, then the values weighted by it
 // (pass 2). One softmax a span, not one a block (an online softmax over 16-token blocks): the
 // running maximum's rescaling, the reductions and the exponentials of each block's 16 scores
-// were ~40% of a decode's attention time. One decode over 1,000 tokens, SmolLM2's heads, one
-// thread, Zen 4 (7 December): 72 -> 44 us a layer with the layer's cache in L2/L3, 85-109 -> 55-60
-// from memory (30 layers' caches); bfloat16 cache on AVX2 150 -> 130; float32 193 -> 148
-// (AVX-512), 190 -> 162 (AVX2).
+// were a third of a decode's attention time. One decode over 1,000 tokens, SmolLM2's heads, one
+// thread, Zen 4 (7 December, loaded machine), a layer: bfloat16 path 72-74 -> 49-57 us with its
+// cache in L2/L3, 95-113 -> 77-93 from memory (30 layers' caches); a bfloat16 cache on AVX2
+// 150 -> 130; float32 193 -> 148 (AVX-512), 190 -> 162 (AVX2).
 template <typename T, typename Slot>
 void attend_span(const float* qbuf, const T* key_cache, const T* value_cache,
                  const int64_t* table, const Span& span, int64_t num_heads,
@@ -298,12 +298,14 @@ void attend_span(const float* qbuf, const T* key_cache, const T* value_cache,
 }
 
 #if TANDEM_BF16_DOTS
-// attend_span for bfloat16 queries over a bfloat16 cache, head_dim = 32 C, in bfloat16 dot
-// products: scores as `bf16_scores`; values two tokens at a time, each dimension's pair of values
-// interleaved once per block and KV head for all the rows of its query heads, weighted by the
-// pair of softmax numerators, each split into two bfloat16 (high + low: 16 significant bits, so
-// the weights lose ~2^-17 where one bfloat16 lost 2^-9 and flipped greedy near-ties of a
-// bfloat16 SmolLM2), the high and low products summed in two chains of registers.
+// attend_span for bfloat16 queries over a bfloat16 cache, head_dim = 32 C: the scores are
+// bfloat16 dot products (`bf16_scores`: exact products summed in float32) straight from the
+// cache; the values are widened once per block and KV head for all the rows of its query heads
+// and weighted by the float32 softmax numerators, as the float32 path does. (Until 7 December the
+// values went two tokens a `vdpbf16ps`, each numerator split into two bfloat16, 16 significant
+// bits: with the softmax a span, that rounding made a bfloat16 SmolLM2's greedy output leave
+// float32's at the fourth token of one prompt, `tests/parity/test_smollm2_greedy.py`; exact
+// numerators keep the values' sums as the float32 path computes them.)
 template <int C>
 void attend_span_bf16(const uint16_t* qbits, const uint16_t* key_cache,
                       const uint16_t* value_cache, const int64_t* table, const Span& span,
@@ -333,77 +335,32 @@ void attend_span_bf16(const uint16_t* qbits, const uint16_t* key_cache,
       }
     }
   }
-  // the softmax numerators of each row as two bfloat16, zeros past its visible tokens
-  scratch.p_high.resize(rows * stride);
-  scratch.p_low.resize(rows * stride);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = span.visible(r / num_heads);
     if (n <= 0) continue;
-    float* s = scores + r * stride;
-    const SpanSoftmax soft = softmax_in_place(s, n);
+    const SpanSoftmax soft = softmax_in_place(scores + r * stride, n);
     part.m[r] = soft.m;
     part.l[r] = soft.sum;
-    // through token n: a pair's second numerator may be read one past a row's last token
-    for (int64_t t = 0; t <= n; t += 16) {
-      const __mmask16 lanes = _cvtu32_mask16((1u << std::min<int64_t>(16, n - t)) - 1);
-      const __m512 p = _mm512_maskz_loadu_ps(lanes, s + t);
-      const __m256bh high = _mm512_cvtneps_pbh(p);
-      const __m256bh low = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(high)));
-      std::memcpy(&scratch.p_high[r * stride + t], &high, sizeof high);
-      std::memcpy(&scratch.p_low[r * stride + t], &low, sizeof low);
-    }
   }
-  // pass 2: the weighted values
-  // word k of a pair: value k / 2 of the first token (k even) or of the second (k odd)
-  alignas(64) static const uint16_t kInterleave[2][32] = {
-      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-  const __m512i low = _mm512_load_si512(kInterleave[0]), high = _mm512_load_si512(kInterleave[1]);
-  __m512i pairs[kMaxBlockSize / 2][2 * C];  // [token pair][dims 16 at a time] value pairs
+  // pass 2: the weighted values, each KV head's block widened once for its query heads
+  float* values = scratch.block.data();  // [block_size][head_dim]
   for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
     const int64_t n = std::min(span.block_size, span.ctx - blk * span.block_size);
     if (blk + 1 < span.end_block)
       prefetch(value_cache + table[blk + 1] * block_stride, block_stride * sizeof(uint16_t));
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const uint16_t* values = value_cache + table[blk] * block_stride + h * head_dim;
-      for (int64_t u = 0; 2 * u < n; ++u) {  // past the block's last token: zeros
-        const uint16_t* first = values + 2 * u * token_stride;
-        for (int c = 0; c < C; ++c) {
-          const __m512i a = _mm512_loadu_si512(first + 32 * c);
-          const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(first + token_stride + 32 * c)
-                                          : _mm512_setzero_si512();
-          pairs[u][2 * c] = _mm512_permutex2var_epi16(a, low, b);
-          pairs[u][2 * c + 1] = _mm512_permutex2var_epi16(a, high, b);
-        }
-      }
+      const auto* slots =
+          reinterpret_cast<const c10::BFloat16*>(value_cache + table[blk] * block_stride) +
+          h * head_dim;
+      for (int64_t t = 0; t < n; ++t)
+        FloatSlot<c10::BFloat16>::load(slots + t * token_stride, head_dim, values + t * head_dim);
       for (int64_t i = 0; i < span.qlen; ++i) {
         const int64_t visible = span.visible_in(blk, i);
         if (visible <= 0) continue;
         for (int64_t j = 0; j < group; ++j) {
           const int64_t r = i * num_heads + h * group + j;
-          const uint16_t* p_high = &scratch.p_high[r * stride + span.offset(blk)];
-          const uint16_t* p_low = &scratch.p_low[r * stride + span.offset(blk)];
-          float* acc_r = part.acc + r * head_dim;
-          __m512 acc[2 * C], acc_low[2 * C];
-          for (int k = 0; k < 2 * C; ++k) {
-            acc[k] = _mm512_loadu_ps(acc_r + 16 * k);
-            acc_low[k] = _mm512_setzero_ps();
-          }
-          for (int64_t u = 0; 2 * u < visible; ++u) {
-            int32_t wide_high, wide_low;  // of tokens 2u and 2u + 1 (0 past `visible`)
-            std::memcpy(&wide_high, p_high + 2 * u, sizeof wide_high);
-            std::memcpy(&wide_low, p_low + 2 * u, sizeof wide_low);
-            const __m512bh wh = (__m512bh)_mm512_set1_epi32(wide_high);
-            const __m512bh wl = (__m512bh)_mm512_set1_epi32(wide_low);
-            for (int k = 0; k < 2 * C; ++k) {
-              acc[k] = _mm512_dpbf16_ps(acc[k], (__m512bh)pairs[u][k], wh);
-              acc_low[k] = _mm512_dpbf16_ps(acc_low[k], (__m512bh)pairs[u][k], wl);
-            }
-          }
-          for (int k = 0; k < 2 * C; ++k)
-            _mm512_storeu_ps(acc_r + 16 * k, _mm512_add_ps(acc[k], acc_low[k]));
+          weighted_sum(part.acc + r * head_dim, 1.0f, scores + r * stride + span.offset(blk),
+                       values, visible, head_dim, head_dim);
         }
       }
     }
@@ -523,7 +480,7 @@ void attend(
   const std::nullptr_t bf16 = nullptr;
 #endif
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    const bool copies = bf16 == nullptr && !std::is_same_v<T, float>;
+    const bool copies = !std::is_same_v<T, float>;  // the bfloat16 path widens values too
     Scratch scratch(split_blocks * block_size, copies ? block_size * num_kv_heads * head_dim : 0);
     std::vector<float> qbuf;
     std::vector<uint16_t> qbits;
