@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
 
 
+# a layer's KV cache as the plan writes and reads it (`DecodePlan._cache_views`)
+CacheViews = tuple[torch.dtype | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 @dataclass(frozen=True)
 class LayerPlan:
     """One layer's calls for steps of one row count."""
@@ -63,7 +67,7 @@ class DecodePlan:
         self.scale = model.backend.scale
         # per-layer views of the KV caches, kept while the caller passes the same list
         self._caches: list[torch.Tensor] | None = None
-        self._views: list[tuple[torch.Tensor, ...]] = []
+        self._views: list[CacheViews] = []
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether a step of `rows` tokens with this metadata can run here."""
@@ -126,9 +130,7 @@ class DecodePlan:
             x.add_(mlp_out)
         return x
 
-    def _cache_views(
-        self, kv_caches: list[torch.Tensor]
-    ) -> list[tuple[torch.dtype | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _cache_views(self, kv_caches: list[torch.Tensor]) -> list[CacheViews]:
         """(slot dtype, keys, values, key slots, value slots) per layer: the cache [2, blocks,
         block, hkv, slot]'s two halves, and those as rows of slots: [num_slots, hkv * slot]
         where they hold the model dtype (slot dtype None: keys and values go in as they are),
