@@ -80,8 +80,9 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 DECODE_POLL_S = 0.1  # how often a request waiting for a decode worker looks again
 CHOICE_ABORT_S = 5.0  # the timeout of the Abort that ends one choice on its decode worker
 STALL_CHECK_S = 0.5  # how often a request waiting on its decode worker checks that D lives
-UNLISTED_S = 2.0  # a decode worker missing from the registry this long is treated as dead
-# (a Redis that restarted empty lists each worker again at its next heartbeat, within a second)
+UNLISTED_S = 2.0  # a decode worker missing from the registry this long past one of its
+# heartbeat intervals is treated as dead (a Redis that restarted empty lists each worker again
+# at its next heartbeat)
 
 
 class DecodeLost(Exception):
@@ -712,10 +713,11 @@ class Router:
 
     def _check_live(self, d: WorkerRecord, decoding: bool) -> None:
         """DecodeLost if D has stopped answering though its connection stays open (a stalled
-        process): the registry has not listed it for UNLISTED_S (no heartbeat within its TTL),
+        process): the registry has not listed it for UNLISTED_S beyond one heartbeat interval
+        (no heartbeat within its TTL, not a Redis that restarted empty),
         or, once it decodes the request (`decoding`), it has sent nothing on any of this
         router's streams for `decode_stall_s` (a stalled engine beside a live heartbeat)."""
-        if self.snapshot.unlisted_s(d.worker_id) >= UNLISTED_S:
+        if self.snapshot.unlisted_s(d.worker_id) >= UNLISTED_S + d.heartbeat_s:
             raise DecodeLost(d, "it left the registry (no heartbeat within its TTL)")
         silent_s = time.monotonic() - self._heard.get(d.worker_id, time.monotonic())
         if decoding and silent_s >= self.config.decode_stall_s:

@@ -95,6 +95,7 @@ class WorkerRecord:
     started_at: float
     heartbeat_at: float
     block_size: int = 16  # KV block size: prompts are hashed with it to match prefix_hashes
+    heartbeat_s: float = 1.0  # the worker beats this often (its TTL / 3)
 
     def __post_init__(self) -> None:
         if not self.worker_id:
@@ -167,6 +168,7 @@ class WorkerRecord:
             started_at=float(d["started_at"]),
             heartbeat_at=float(d["heartbeat_at"]),
             block_size=int(d.get("block_size", 16)),
+            heartbeat_s=float(d.get("heartbeat_s", 1.0)),
         )
 
 

@@ -276,10 +276,11 @@ class WorkerServer:
             started_at=self.started_at,
             heartbeat_at=time.time(),
             block_size=kv.block_size,
+            heartbeat_s=self.ttl_s / 3,
         )
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        while not self._stop.wait(self.ttl_s / 3):  # WorkerRecord.heartbeat_s
             if not self.worker.engine.executor.healthy:
                 self._lose()
                 return

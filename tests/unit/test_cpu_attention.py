@@ -82,13 +82,13 @@ def test_kernel_matches_sdpa(
     torch.testing.assert_close(kernel.float(), sdpa.float(), atol=tol, rtol=0)
 
 
-@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("block_size", [4, 5, 16, 32])
 def test_bfloat16_dot_products_of_wide_heads(block_size: int) -> None:
     """bfloat16 queries over a bfloat16 cache with heads 32, 64, 96 or 128 wide (SmolLM2's 64)
     take the bfloat16 dot products, where the CPU has them: exact products summed in float32 for
-    the scores, the probabilities as two bfloat16 each (16 significant bits) for the values. The
+    the scores, the values widened to float32 and weighted by float32 softmax numerators. The
     output equals float64 attention over the same bfloat16 values up to its own rounding to
-    bfloat16."""
+    bfloat16 (block size 5: a block's odd last token)."""
     shapes = [(37, 1), (5, 4), (0, 1), (70, 6), (16, 16), (3, 1)]
     kernel, exact = _run(shapes, torch.bfloat16, torch.bfloat16, block_size, 64, torch.float64)
     assert kernel.dtype == torch.bfloat16

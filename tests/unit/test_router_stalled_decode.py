@@ -194,7 +194,8 @@ def test_a_stalled_decode_worker_s_request_resumes_on_another(
 ) -> None:
     """The stalled worker sends the first token; "silent": it stays listed, and after
     `decode_stall_s` without a message the request resumes elsewhere; "unlisted": it leaves the
-    registry (its TTL passed), and the request resumes once that has lasted UNLISTED_S. The
+    registry (its TTL passed), and the request resumes once that has lasted UNLISTED_S past
+    one heartbeat interval. The
     client sees one stream, the stalled worker a cancel."""
     (stalled_double, stalled_at), (healthy_double, healthy_at) = stalled, healthy
     register(registry, tiny_llama_path, "d1", stalled_at)

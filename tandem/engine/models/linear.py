@@ -111,6 +111,12 @@ class DenseProduct:
             return F.linear(x, self.weight, self.bias)
         return calls[routes.bucket_of(x.shape[0])](x)
 
+    def call_for(self, rows: int) -> RowKernel | None:
+        """The bound route of `rows` rows of the weight's dtype (2-D, no autograd); None before
+        `bind`."""
+        calls = self._calls
+        return None if calls is None else calls[routes.bucket_of(rows)]
+
     # routes.Routed
     @property
     def route_kind(self) -> str | None:
@@ -178,29 +184,27 @@ class Linear(nn.Linear):
         y = self.product(x)
         return y if self.tp is None else self.tp.all_reduce(y)
 
-    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
-        """The call `forward` makes for 2-D inputs of `dtype`, bound to this layer's tensors, and
-        the most rows it holds for (any); every linear layer of the decoder has this method
-        (`models/decode_plan.py` calls it once, not per step)."""
-        found = self._row_product(dtype)
+    def row_kernel(self, dtype: torch.dtype, rows: int) -> RowKernel:
+        """The call `forward` makes for 2-D inputs of `rows` rows of `dtype` (no autograd), bound
+        to this layer's tensors and to the route of that many rows; every linear layer of the
+        decoder has this method (`models/decode_plan.py` calls it once per row count, not per
+        step)."""
+        found = self._row_product(dtype, rows)
         tp = self.tp
         if tp is None:
-            return found, 1 << 62
-        return lambda x: tp.all_reduce(found(x)), 1 << 62
+            return found
+        return lambda x: tp.all_reduce(found(x))
 
-    def _row_product(self, dtype: torch.dtype) -> RowKernel:
-        product = self.product
-        if product.chosen is not None and dtype == self.weight.dtype:
-            return product
+    def _row_product(self, dtype: torch.dtype, rows: int) -> RowKernel:
+        bound = self.product.call_for(rows) if dtype == self.weight.dtype else None
+        if bound is not None:
+            return bound
         weight, bias = self.weight, self.bias
         kernel = _row_gemm()  # the plan's steps: inputs of `dtype`, no autograd
-        native = kernel is not None and _native_weights(dtype, weight, bias)
-        native_rows = ROW_GEMM_ROWS.get(dtype, range(0)) if native else range(0)
-
-        def product_of(x: torch.Tensor) -> torch.Tensor:  # the route asked once, not every step
-            if x.shape[0] in native_rows:
-                assert kernel is not None
-                return kernel(x, weight, bias)
-            return linear(x, weight, bias)
-
-        return product_of
+        if (
+            kernel is not None
+            and _native_weights(dtype, weight, bias)
+            and rows in ROW_GEMM_ROWS.get(dtype, range(0))
+        ):
+            return lambda x: kernel(x, weight, bias)
+        return lambda x: linear(x, weight, bias)

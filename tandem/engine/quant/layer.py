@@ -176,19 +176,20 @@ class QuantizedLinear(nn.Module):
         """The weights as torch's packed kernel reads them (int8: the codes as stored)."""
         return self.qweight
 
-    def row_kernel(self, dtype: torch.dtype) -> tuple[RowKernel, int] | None:
-        """The kernel call and the most rows `forward` makes it for, where rows of `dtype` go
-        straight to it; else None (`Linear.row_kernel`)."""
+    def row_kernel(self, dtype: torch.dtype, rows: int) -> RowKernel | None:
+        """The call `forward` makes for `rows` rows of `dtype`, where they go straight to a
+        kernel (the route of that many rows, once routes are bound); else None
+        (`Linear.row_kernel`)."""
         calls = self._route_calls
         if calls is not None:
             if dtype != self.model_dtype or self.bias is not None:
                 return None
-            return lambda x: calls[routes.bucket_of(x.shape[0])](x), 1 << 62
+            return calls[routes.bucket_of(rows)]
         # a row-parallel layer's sum over the ranks is `forward`'s: not a kernel's
         kernel = self.kernel() if self.use_kernel and self.tp is None else None
         if kernel is None or dtype != KERNEL_DTYPE or self.bias is not None:
             return None
-        return kernel, self.max_kernel_tokens
+        return kernel if rows <= self.max_kernel_tokens else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.numel() // self.in_features

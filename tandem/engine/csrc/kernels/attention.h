@@ -3,16 +3,19 @@
 //
 // One call covers a step's decodes and speculative verifications: request b has query_lens[b]
 // query tokens at the end of its context_lens[b] tokens, whose keys and values sit in the
-// blocks block_tables[b]. The kernel reads those blocks where they are, once, keys and values
-// together (online softmax, float32 arithmetic): no block is gathered into a padded copy and no
-// mask is built. A row sees the keys at positions <= its own (causal within the query), and its
-// arithmetic does not depend on the query length, so a verified token scores as a decode would.
+// blocks block_tables[b]. The kernel reads those blocks where they are, once each (float32
+// arithmetic): no block is gathered into a padded copy and no mask is built. The context is cut
+// into fixed spans (`kSplitTokens`); a span's scores, its one softmax and its weighted values
+// make a partial result, and the spans' partials merge at the end (split-K, as flash-decoding).
+// A row sees the keys at positions <= its own (causal within the query), and its arithmetic does
+// not depend on the query length, so a verified token scores as a decode would.
 //
 // bfloat16 queries over a bfloat16 cache, where the CPU has AVX-512 BF16 and heads are 32, 64,
-// 96 or 128 wide, take `attend_blocks_bf16`: bfloat16 dot products (`vdpbf16ps`, float32 sums)
-// straight from the cache, no widened copy of a block. Measured, 16 decodes over ~800 tokens,
-// SmolLM2's heads, 30 layers' caches, 2 threads: 22 ms against 35 for the float32 path; 16 x 4
-// verified tokens 48 against 94; one decode 1.5 against 2.4.
+// 96 or 128 wide, take `attend_span_bf16`: the scores are bfloat16 dot products (`vdpbf16ps`,
+// float32 sums) straight from the cache, no widened copy of the keys. Measured, 16 decodes over
+// ~800 tokens, SmolLM2's heads, 30 layers' caches, 2 threads: 22 ms against 35 for the float32
+// path; 16 x 4 verified tokens 48 against 94; one decode 1.5 against 2.4 (4 December, with the
+// values in bfloat16 dot products too and the softmax a block).
 //
 // Cache slots: `head_dim` values in float32 / bfloat16 / float16, or `head_dim` int8 / e4m3
 // codes followed by the 4 bytes of their float32 scale (tandem/engine/kv_quant.py).
@@ -142,213 +145,238 @@ void bf16_scores(const uint16_t* q, const uint16_t* keys, int64_t stride, int64_
 
 #endif
 
-// A block's keys and values, `bytes` each, into the outer caches (locality 1: prefetcht2). Into
-// L1 (prefetcht0) it ran no faster than no prefetch at all, this 15-20% faster (16 contexts of
-// ~800 tokens, 30 layers' caches, from memory).
-inline void prefetch(const void* keys, const void* values, int64_t bytes) {
-  for (int64_t byte = 0; byte < bytes; byte += 64) {
-    __builtin_prefetch(static_cast<const char*>(keys) + byte, 0, 1);
-    __builtin_prefetch(static_cast<const char*>(values) + byte, 0, 1);
-  }
+// A block's keys or values, `bytes`, into the outer caches (locality 1: prefetcht2). Into L1
+// (prefetcht0) it ran no faster than no prefetch at all, this 15-20% faster (16 contexts of ~800
+// tokens, 30 layers' caches, from memory).
+inline void prefetch(const void* block, int64_t bytes) {
+  for (int64_t byte = 0; byte < bytes; byte += 64)
+    __builtin_prefetch(static_cast<const char*>(block) + byte, 0, 1);
 }
 
-// One block's step of a row's online softmax, its running maximum `m` so far: the scores
-// s[0, visible) become exp(s - m_new) (lanes past `visible` unspecified); gives m_new, the factor
-// that rescales what was summed before (0 for the first block) and the new exponentials' sum.
-// In whole registers, lanes past `visible` masked: a chain of 16 scalar steps each for the
-// maximum and the sum cost more than the scores' dot products.
-struct BlockSoftmax {
-  float m, rescale, sum;
+// The softmax numerators of one row's scores s[0, n) over a task's span, in place: they become
+// exp(s - m) (lanes past n up to the register's end unspecified); gives m, their maximum, and
+// the exponentials' sum. In whole registers, lanes past n masked.
+struct SpanSoftmax {
+  float m, sum;
 };
 
-inline BlockSoftmax block_softmax(float* s, int64_t visible, float m) {
-  simd::Vec highest = simd::Vec{} + m;
-  for (int64_t t = 0; t < visible; t += simd::kWidth) {
+inline SpanSoftmax softmax_in_place(float* s, int64_t n) {
+  simd::Vec highest = simd::Vec{} - std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; t += simd::kWidth) {
     const simd::Vec v = simd::load(s + t);
-    highest = simd::visible(t, visible) && v > highest ? v : highest;
+    highest = simd::visible(t, n) && v > highest ? v : highest;
   }
-  const float m_new = simd::max(highest);
+  const float m = simd::max(highest);
   simd::Vec sums = {};
-  for (int64_t t = 0; t < visible; t += simd::kWidth) {
-    const simd::Vec p = simd::exp(simd::load(s + t) - m_new);
-    sums += simd::visible(t, visible) ? p : simd::Vec{};
+  for (int64_t t = 0; t < n; t += simd::kWidth) {
+    const simd::Vec p = simd::exp(simd::load(s + t) - m);
+    sums += simd::visible(t, n) ? p : simd::Vec{};
     simd::store(s + t, p);
   }
-  return {m_new, std::exp(m - m_new), simd::sum(sums)};
+  return {m, simd::sum(sums)};
 }
 
-// Softmax state of one row over part of its context: running maximum `m`, sum of
-// exp(score - m) `l`, and the values weighted by those exponentials `acc` (online softmax).
+// Softmax state of one row over one task's span of its context: the highest score `m`, the sum
+// of exp(score - m) `l`, and the values weighted by those exponentials `acc` (the merge in
+// `attend` combines a row's spans).
 struct Partial {
   float* m;    // [rows]
   float* l;    // [rows]
-  float* acc;  // [rows, head_dim]
+  float* acc;  // [rows, head_dim], zeros before the task
 };
 
-// Row r of the partial results against a block's first `visible` keys and values, float32
-// rows `stride` elements apart; `s` takes the scores.
-inline void attend_row(const float* qr, const float* keys, const float* values, int64_t stride,
-                       int64_t visible, int64_t head_dim, float* s, Partial part, int64_t r) {
-  for (int64_t t = 0; t < visible; ++t) s[t] = dot(qr, keys + t * stride, head_dim);
-  const BlockSoftmax soft = block_softmax(s, visible, part.m[r]);
-  weighted_sum(part.acc + r * head_dim, soft.rescale, s, values, visible, stride, head_dim);
-  part.l[r] = part.l[r] * soft.rescale + soft.sum;
-  part.m[r] = soft.m;
+// One task's part of a request: the context's blocks [first_block, end_block), and which of
+// their tokens each query token sees. Query token i sits at position ctx - qlen + i and sees the
+// keys up to it; row r of the task is query token r / num_heads, query head r % num_heads.
+struct Span {
+  int64_t first_block, end_block, ctx, qlen, block_size;
+
+  int64_t start() const { return first_block * block_size; }
+  // tokens of the span that query token i sees
+  int64_t visible(int64_t i) const {
+    return std::min(end_block * block_size, ctx - qlen + i + 1) - start();
+  }
+  // tokens of block `blk` that query token i sees (<= 0: none)
+  int64_t visible_in(int64_t blk, int64_t i) const {
+    return std::min(block_size, ctx - qlen + i + 1 - blk * block_size);
+  }
+  // where block `blk`'s scores start in a row of the task's scores
+  int64_t offset(int64_t blk) const { return (blk - first_block) * block_size; }
+};
+
+// Per-thread buffers of the tasks: every row's scores over its span (then its softmax
+// numerators), `stride` floats apart, and one block's keys or values as float32 where the cache
+// holds another type.
+struct Scratch {
+  int64_t stride;  // the span's tokens, rounded up to whole registers of 16, plus one register
+  std::vector<float> scores;
+  std::vector<float> block;
+
+  Scratch(int64_t span_tokens, int64_t block_floats)
+      : stride((span_tokens + 15) / 16 * 16 + 16), block(block_floats) {}
+
+  float* scores_for(int64_t rows) {
+    scores.resize(rows * stride);
+    return scores.data();
+  }
+};
+
+// The first `n` tokens' keys or values of a block as float32, [token][kv head][head_dim]:
+// float32 slots in place, the others (bfloat16, float16, int8 / fp8 codes and their scale)
+// through a copy made once for the query heads that share a KV head. (bfloat16 widened in
+// registers by every row that reads it was slower on AVX2, 28 ms against 21, 16 decodes over 800
+// tokens, 30 layers' caches.)
+template <typename T, typename Slot>
+const float* block_rows(const T* slots, int64_t n, int64_t num_kv_heads, int64_t head_dim,
+                        int64_t slot_dim, std::vector<float>& copy) {
+  if constexpr (std::is_same_v<T, float>) {
+    return slots;  // a float32 slot is head_dim wide
+  } else {
+    for (int64_t t = 0; t < n * num_kv_heads; ++t)
+      Slot::load(slots + t * slot_dim, head_dim, copy.data() + t * head_dim);
+    return copy.data();
+  }
 }
 
-// The blocks [first_block, end_block) of one request: every row (query token i = r / num_heads,
-// query head r % num_heads) against every key it sees, keys and values read block by block:
-// float32 slots in place, the others (bfloat16, float16, int8 / fp8 codes and their scale)
-// through a float32 copy of the block, made once for the query heads that share its KV head.
-// Measured (6 December, Zen 4, 2 threads, SmolLM2's 9 / 3 heads of 64, 30 layers' caches, 16
-// decodes over 800 tokens, in place against copied, medians of 7, four rounds A B A B): float32
-// on AVX-512 20-26 ms against 28-32, one decode 1.5-1.9 against 2.1-2.5; on AVX2 within the
-// noise (23-31 against 24-28). bfloat16 widened in registers by every row that reads it was
-// slower on AVX2, 28 ms against 21: the copy widens a key once for its three query heads.
+// One task of a request (`span`), float32 arithmetic: every row's scores over the span's keys
+// (pass 1, keys read block by block), their softmax at once, then the values weighted by it
+// (pass 2). One softmax a span, not one a block (an online softmax over 16-token blocks): the
+// running maximum's rescaling, the reductions and the exponentials of each block's 16 scores
+// were a third of a decode's attention time. One decode over 1,000 tokens, SmolLM2's heads, one
+// thread, Zen 4 (7 December, loaded machine), a layer: bfloat16 path 72-74 -> 49-57 us with its
+// cache in L2/L3, 95-113 -> 77-93 from memory (30 layers' caches); a bfloat16 cache on AVX2
+// 150 -> 130; float32 193 -> 148 (AVX-512), 190 -> 162 (AVX2).
 template <typename T, typename Slot>
-void attend_blocks(const float* qbuf, const T* key_cache, const T* value_cache,
-                   const int64_t* table, int64_t first_block, int64_t end_block, int64_t ctx,
-                   int64_t qlen, int64_t block_size, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim, int64_t slot_dim, Partial part, std::vector<float>& keys,
-                   std::vector<float>& values) {
-  constexpr bool kInPlace = std::is_same_v<T, float>;
+void attend_span(const float* qbuf, const T* key_cache, const T* value_cache,
+                 const int64_t* table, const Span& span, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t slot_dim, Partial part,
+                 Scratch& scratch) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t rows = qlen * num_heads;
+  const int64_t rows = span.qlen * num_heads;
   const int64_t token_stride = num_kv_heads * slot_dim;
-  const int64_t block_stride = block_size * token_stride;
-  float s[kMaxBlockSize] = {};  // a multiple of simd::kWidth
-  for (int64_t blk = first_block; blk < end_block; ++blk) {
-    const int64_t start = blk * block_size;
-    const int64_t n = std::min(block_size, ctx - start);
-    const T* kb = key_cache + table[blk] * block_stride;
-    const T* vb = value_cache + table[blk] * block_stride;
-    if (blk + 1 < end_block)  // the next block is elsewhere: fetch it while this one computes
-      prefetch(key_cache + table[blk + 1] * block_stride,
-               value_cache + table[blk + 1] * block_stride, block_stride * sizeof(T));
-    if constexpr (!kInPlace) {
-      // keys and values of the block as float32, [block_size][num_kv_heads][head_dim]
-      for (int64_t t = 0; t < n; ++t) {
-        for (int64_t h = 0; h < num_kv_heads; ++h) {
-          const int64_t at = (t * num_kv_heads + h) * head_dim;
-          Slot::load(kb + t * token_stride + h * slot_dim, head_dim, keys.data() + at);
-          Slot::load(vb + t * token_stride + h * slot_dim, head_dim, values.data() + at);
-        }
-      }
-    }
+  const int64_t block_stride = span.block_size * token_stride;
+  const int64_t stride = scratch.stride;
+  float* scores = scratch.scores_for(rows);
+  const auto block_tokens = [&](int64_t blk) {
+    return std::min(span.block_size, span.ctx - blk * span.block_size);
+  };
+  for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
+    if (blk + 1 < span.end_block)  // the next block is elsewhere: fetch it while this one computes
+      prefetch(key_cache + table[blk + 1] * block_stride, block_stride * sizeof(T));
+    const float* keys = block_rows<T, Slot>(key_cache + table[blk] * block_stride,
+                                            block_tokens(blk), num_kv_heads, head_dim, slot_dim,
+                                            scratch.block);
     for (int64_t r = 0; r < rows; ++r) {
-      // Query token i sits at position ctx - qlen + i and sees the keys up to it.
-      const int64_t visible = std::min(n, ctx - qlen + r / num_heads + 1 - start);
+      const int64_t visible = span.visible_in(blk, r / num_heads);
+      const float* k = keys + ((r % num_heads) / group) * head_dim;
+      float* s = scores + r * stride + span.offset(blk);
+      for (int64_t t = 0; t < visible; ++t)
+        s[t] = dot(qbuf + r * head_dim, k + t * num_kv_heads * head_dim, head_dim);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = span.visible(r / num_heads);
+    if (n <= 0) continue;
+    const SpanSoftmax soft = softmax_in_place(scores + r * stride, n);
+    part.m[r] = soft.m;
+    part.l[r] = soft.sum;
+  }
+  for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
+    if (blk + 1 < span.end_block)
+      prefetch(value_cache + table[blk + 1] * block_stride, block_stride * sizeof(T));
+    const float* values = block_rows<T, Slot>(value_cache + table[blk] * block_stride,
+                                              block_tokens(blk), num_kv_heads, head_dim,
+                                              slot_dim, scratch.block);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = span.visible_in(blk, r / num_heads);
       if (visible <= 0) continue;
-      const int64_t h = (r % num_heads) / group;
-      const float* qr = qbuf + r * head_dim;
-      if constexpr (kInPlace) {
-        attend_row(qr, kb + h * slot_dim, vb + h * slot_dim, token_stride, visible, head_dim, s,
-                   part, r);
-      } else {
-        attend_row(qr, keys.data() + h * head_dim, values.data() + h * head_dim,
-                   num_kv_heads * head_dim, visible, head_dim, s, part, r);
-      }
+      const float* v = values + ((r % num_heads) / group) * head_dim;
+      weighted_sum(part.acc + r * head_dim, 1.0f, scores + r * stride + span.offset(blk), v,
+                   visible, num_kv_heads * head_dim, head_dim);
     }
   }
 }
 
 #if TANDEM_BF16_DOTS
-// attend_blocks for bfloat16 queries over a bfloat16 cache, head_dim = 32 C, in bfloat16 dot
-// products: scores as `bf16_scores`; values two tokens at a time, each dimension's pair of values
-// interleaved once per block and KV head for all the rows of its query heads, weighted by the
-// pair of probabilities, each split into two bfloat16 (high + low: 16 significant bits, so the
-// weights lose ~2^-17 where one bfloat16 lost 2^-9 and flipped greedy near-ties of a bfloat16
-// SmolLM2). Rows are taken KV head by KV head.
+// attend_span for bfloat16 queries over a bfloat16 cache, head_dim = 32 C: the scores are
+// bfloat16 dot products (`bf16_scores`: exact products summed in float32) straight from the
+// cache; the values are widened once per block and KV head for all the rows of its query heads
+// and weighted by the float32 softmax numerators, as the float32 path does. (Until 7 December the
+// values went two tokens a `vdpbf16ps`, each numerator split into two bfloat16, 16 significant
+// bits: with the softmax a span, that rounding made a bfloat16 SmolLM2's greedy output leave
+// float32's at the fourth token of one prompt, `tests/parity/test_smollm2_greedy.py`; exact
+// numerators keep the values' sums as the float32 path computes them.)
 template <int C>
-void attend_blocks_bf16(const uint16_t* qbits, const uint16_t* key_cache,
-                        const uint16_t* value_cache, const int64_t* table, int64_t first_block,
-                        int64_t end_block, int64_t ctx, int64_t qlen, int64_t block_size,
-                        int64_t num_heads, int64_t num_kv_heads, Partial part, float scale) {
+void attend_span_bf16(const uint16_t* qbits, const uint16_t* key_cache,
+                      const uint16_t* value_cache, const int64_t* table, const Span& span,
+                      int64_t num_heads, int64_t num_kv_heads, Partial part, float scale,
+                      Scratch& scratch) {
   constexpr int64_t head_dim = 32 * C;
   const int64_t group = num_heads / num_kv_heads;
+  const int64_t rows = span.qlen * num_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t block_stride = block_size * token_stride;
-  // word k of a pair: value k / 2 of the first token (k even) or of the second (k odd)
-  alignas(64) static const uint16_t kInterleave[2][32] = {
-      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
-      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
-  const __m512i low = _mm512_load_si512(kInterleave[0]), high = _mm512_load_si512(kInterleave[1]);
-  alignas(64) float s[kMaxBlockSize];
-  alignas(64) uint16_t p_high[kMaxBlockSize], p_low[kMaxBlockSize];
-  __m512i pairs[kMaxBlockSize / 2][2 * C];  // [token pair][dims 16 at a time] value pairs
-  for (int64_t blk = first_block; blk < end_block; ++blk) {
-    const int64_t start = blk * block_size;
-    const int64_t n = std::min(block_size, ctx - start);
-    if (blk + 1 < end_block)
-      prefetch(key_cache + table[blk + 1] * block_stride,
-               value_cache + table[blk + 1] * block_stride, block_stride * sizeof(uint16_t));
+  const int64_t block_stride = span.block_size * token_stride;
+  const int64_t stride = scratch.stride;
+  float* scores = scratch.scores_for(rows);
+  // pass 1: every row's scores, block by block, KV head by KV head
+  for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
+    if (blk + 1 < span.end_block)
+      prefetch(key_cache + table[blk + 1] * block_stride, block_stride * sizeof(uint16_t));
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const uint16_t* keys = key_cache + table[blk] * block_stride + h * head_dim;
-      const uint16_t* values = value_cache + table[blk] * block_stride + h * head_dim;
-      for (int64_t u = 0; 2 * u < n; ++u) {  // past the block's last token: zeros
-        const uint16_t* first = values + 2 * u * token_stride;
-        for (int c = 0; c < C; ++c) {
-          const __m512i a = _mm512_loadu_si512(first + 32 * c);
-          const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(first + token_stride + 32 * c)
-                                          : _mm512_setzero_si512();
-          pairs[u][2 * c] = _mm512_permutex2var_epi16(a, low, b);
-          pairs[u][2 * c + 1] = _mm512_permutex2var_epi16(a, high, b);
-        }
-      }
-      for (int64_t i = 0; i < qlen; ++i) {
-        // Query token i sits at position ctx - qlen + i and sees the keys up to it.
-        const int64_t visible = std::min(n, ctx - qlen + i + 1 - start);
+      for (int64_t i = 0; i < span.qlen; ++i) {
+        const int64_t visible = span.visible_in(blk, i);
         if (visible <= 0) continue;
         for (int64_t j = 0; j < group; ++j) {
           const int64_t r = i * num_heads + h * group + j;
-          bf16_scores<C>(qbits + r * head_dim, keys, token_stride, visible, scale, s);
-          const BlockSoftmax soft = block_softmax(s, visible, part.m[r]);
-          for (int64_t t = 0; t < visible; t += 16) {
-            const __mmask16 lanes = _cvtu32_mask16((1u << std::min<int64_t>(16, visible - t)) - 1);
-            const __m512 p = _mm512_maskz_loadu_ps(lanes, s + t);  // 0 past `visible`
-            // p = high + low, two bfloat16 of 8 bits each: 16 bits of p weight the values
-            const __m256bh high = _mm512_cvtneps_pbh(p);
-            const __m256bh low = _mm512_cvtneps_pbh(_mm512_sub_ps(p, _mm512_cvtpbh_ps(high)));
-            std::memcpy(p_high + t, &high, sizeof high);
-            std::memcpy(p_low + t, &low, sizeof low);
-          }
-          float* acc_r = part.acc + r * head_dim;
-          __m512 acc[2 * C];
-          for (int k = 0; k < 2 * C; ++k)
-            acc[k] = _mm512_mul_ps(_mm512_loadu_ps(acc_r + 16 * k),
-                                   _mm512_set1_ps(soft.rescale));
-          for (int64_t u = 0; 2 * u < visible; ++u) {
-            int32_t high, low;  // p of tokens 2u and 2u + 1 (0 past `visible`)
-            std::memcpy(&high, p_high + 2 * u, sizeof high);
-            std::memcpy(&low, p_low + 2 * u, sizeof low);
-            const __m512bh wh = (__m512bh)_mm512_set1_epi32(high);
-            const __m512bh wl = (__m512bh)_mm512_set1_epi32(low);
-            for (int k = 0; k < 2 * C; ++k)
-              acc[k] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[k], (__m512bh)pairs[u][k], wh),
-                                        (__m512bh)pairs[u][k], wl);
-          }
-          for (int k = 0; k < 2 * C; ++k) _mm512_storeu_ps(acc_r + 16 * k, acc[k]);
-          part.l[r] = part.l[r] * soft.rescale + soft.sum;
-          part.m[r] = soft.m;
+          bf16_scores<C>(qbits + r * head_dim, keys, token_stride, visible, scale,
+                         scores + r * stride + span.offset(blk));
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = span.visible(r / num_heads);
+    if (n <= 0) continue;
+    const SpanSoftmax soft = softmax_in_place(scores + r * stride, n);
+    part.m[r] = soft.m;
+    part.l[r] = soft.sum;
+  }
+  // pass 2: the weighted values, each KV head's block widened once for its query heads
+  float* values = scratch.block.data();  // [block_size][head_dim]
+  for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
+    const int64_t n = std::min(span.block_size, span.ctx - blk * span.block_size);
+    if (blk + 1 < span.end_block)
+      prefetch(value_cache + table[blk + 1] * block_stride, block_stride * sizeof(uint16_t));
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const auto* slots =
+          reinterpret_cast<const c10::BFloat16*>(value_cache + table[blk] * block_stride) +
+          h * head_dim;
+      for (int64_t t = 0; t < n; ++t)
+        FloatSlot<c10::BFloat16>::load(slots + t * token_stride, head_dim, values + t * head_dim);
+      for (int64_t i = 0; i < span.qlen; ++i) {
+        const int64_t visible = span.visible_in(blk, i);
+        if (visible <= 0) continue;
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t r = i * num_heads + h * group + j;
+          weighted_sum(part.acc + r * head_dim, 1.0f, scores + r * stride + span.offset(blk),
+                       values, visible, head_dim, head_dim);
         }
       }
     }
   }
 }
 
-using Bf16Blocks = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
-                            int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                            Partial, float);
+using Bf16Span = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
+                          const Span&, int64_t, int64_t, Partial, float, Scratch&);
 
-// attend_blocks_bf16 for a head size, or null where there is none (not 32, 64, 96 or 128).
-Bf16Blocks bf16_blocks_for(int64_t head_dim) {
+// attend_span_bf16 for a head size, or null where there is none (not 32, 64, 96 or 128).
+Bf16Span bf16_span_for(int64_t head_dim) {
   switch (head_dim) {
-    case 32: return attend_blocks_bf16<1>;
-    case 64: return attend_blocks_bf16<2>;
-    case 96: return attend_blocks_bf16<3>;
-    case 128: return attend_blocks_bf16<4>;
+    case 32: return attend_span_bf16<1>;
+    case 64: return attend_span_bf16<2>;
+    case 96: return attend_span_bf16<3>;
+    case 128: return attend_span_bf16<4>;
     default: return nullptr;
   }
 }
@@ -445,16 +473,16 @@ void attend(
   std::vector<float> m(num_states, -std::numeric_limits<float>::infinity()), l(num_states, 0.0f),
       acc(num_states * head_dim, 0.0f);
 #if TANDEM_BF16_DOTS
-  const Bf16Blocks bf16 = std::is_same_v<T, c10::BFloat16> && q.is_bf16()
-                             ? bf16_blocks_for(head_dim)
+  const Bf16Span bf16 = std::is_same_v<T, c10::BFloat16> && q.is_bf16()
+                           ? bf16_span_for(head_dim)
                              : nullptr;
 #else
   const std::nullptr_t bf16 = nullptr;
 #endif
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    const bool copies = bf16 == nullptr && !std::is_same_v<T, float>;
-    const int64_t buffer = copies ? kMaxBlockSize * num_kv_heads * head_dim : 0;
-    std::vector<float> qbuf, keys(buffer), values(buffer);
+    const bool copies = !std::is_same_v<T, float>;  // the bfloat16 path widens values too
+    Scratch scratch(split_blocks * block_size, copies ? block_size * num_kv_heads * head_dim : 0);
+    std::vector<float> qbuf;
     std::vector<uint16_t> qbits;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
@@ -470,18 +498,17 @@ void attend(
       Partial part{m.data() + task.state, l.data() + task.state,
                    acc.data() + task.state * head_dim};
       const int64_t* table = block_tables + task.b * max_blocks;
+      const Span span{task.first_block, task.end_block, context_lens[task.b], qlen, block_size};
 #if TANDEM_BF16_DOTS
       if (bf16) {
         bf16(qbits.data(), reinterpret_cast<const uint16_t*>(key_cache),
-             reinterpret_cast<const uint16_t*>(value_cache), table, task.first_block,
-             task.end_block, context_lens[task.b], qlen, block_size, num_heads, num_kv_heads,
-             part, scale);
+             reinterpret_cast<const uint16_t*>(value_cache), table, span, num_heads,
+             num_kv_heads, part, scale, scratch);
         continue;
       }
 #endif
-      attend_blocks<T, Slot>(qbuf.data(), key_cache, value_cache, table, task.first_block,
-                             task.end_block, context_lens[task.b], qlen, block_size, num_heads,
-                             num_kv_heads, head_dim, slot_dim, part, keys, values);
+      attend_span<T, Slot>(qbuf.data(), key_cache, value_cache, table, span, num_heads,
+                           num_kv_heads, head_dim, slot_dim, part, scratch);
     }
   });
   std::vector<float> merged(row_stride);  // one query token's output
