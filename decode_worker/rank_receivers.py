@@ -1,9 +1,9 @@
 """A decode worker's per-rank KV transfer: each tensor-parallel rank receives its own KV heads.
 
-With `TransferConfig.per_rank`, a decode worker of several ranks runs a `KVReceiver` in every
-rank over the rank's own cache: rank 0's in the worker, rank d's in the service `serve_rank`
-starts in the rank's process (its own gRPC endpoint, pair store and host-local socket, and on
-the CPU its cache moved into a /dev/shm file that same-host senders map). Its tickets list every
+A decode worker of several ranks runs a `KVReceiver` in every rank over the rank's own cache:
+rank 0's in the worker, rank d's in the service `serve_rank` starts in the rank's process (its
+own gRPC endpoint, pair store and host-local socket, and on the CPU its cache moved into a
+/dev/shm file that same-host senders map, unlinked when the rank stops). Its tickets list every
 rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its heads, one
 stream per rank pair that share heads (kv_transfer/fanout.py).
 
@@ -55,8 +55,9 @@ def serve_rank(
     mine = heads[ctx.rank]
     path, shared = "", tuple[RankCache, ...]()
     if shared_memory and ctx.kv_caches[0].device.type == "cpu" and shm_available():
-        path = move_into_shared_file(ctx.kv_caches).path
-        shared = (RankCache(path, mine.start, len(mine)),)
+        file = move_into_shared_file(ctx.kv_caches)
+        ctx.closers.append(file.unlink)  # its mappings stay valid until dropped
+        path, shared = file.path, (RankCache(file.path, mine.start, len(mine)),)
     receiver = KVReceiver(
         ctx.kv_caches,
         fingerprint,
@@ -107,7 +108,7 @@ class _Pending:
 
 class RankReceivers:
     """Rank 0's KV receiving: its `KVReceiver`, and the ranks' over `links` (the services
-    `serve_rank` runs in ranks 1..; none at TP 1 or on the rank-0 path)."""
+    `serve_rank` runs in ranks 1..; none at TP 1)."""
 
     def __init__(self, receiver: KVReceiver, links: list[RankLink]) -> None:
         self.receiver = receiver
