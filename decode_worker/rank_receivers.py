@@ -3,9 +3,9 @@
 A decode worker of several ranks runs a `KVReceiver` in every rank over the rank's own cache:
 rank 0's in the worker, rank d's in the service `serve_rank` starts in the rank's process (its
 own gRPC endpoint, pair store and host-local socket, and on the CPU its cache moved into a
-/dev/shm file that same-host senders map, unlinked when the rank stops). Its tickets list every
-rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its heads, one
-stream per rank pair that share heads (kv_transfer/fanout.py).
+/dev/shm file that same-host senders map, which rank 0 unlinks when it closes). Its tickets
+list every rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its
+heads, one stream per rank pair that share heads (kv_transfer/fanout.py).
 
 `RankReceivers` stands where the worker's receiver stood (`expect`, `cancel`, `poll`):
 - expect: every rank reserves the request's blocks (the same block ids: the block table is rank
@@ -55,9 +55,8 @@ def serve_rank(
     mine = heads[ctx.rank]
     path, shared = "", tuple[RankCache, ...]()
     if shared_memory and ctx.kv_caches[0].device.type == "cpu" and shm_available():
-        file = move_into_shared_file(ctx.kv_caches)
-        ctx.closers.append(file.unlink)  # its mappings stay valid until dropped
-        path, shared = file.path, (RankCache(file.path, mine.start, len(mine)),)
+        path = move_into_shared_file(ctx.kv_caches).path
+        shared = (RankCache(path, mine.start, len(mine)),)
     receiver = KVReceiver(
         ctx.kv_caches,
         fingerprint,
