@@ -42,7 +42,7 @@ from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
-from tandem.engine.tp.kv_view import KVLayer, rank_heads
+from tandem.engine.tp.kv_view import rank_heads
 from tandem.engine.tp.ranks import RankLauncher, RankLink
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams, choice_request_id
@@ -114,9 +114,9 @@ class DecodeWorker(EngineLoop):
         engine = self.engine
         self.shm: SharedCache | None = None
         device = engine.runner.device
-        # Same-host senders write into the shared caches, which tickets list one per rank: rank
-        # 0's made here, ranks 1..'s files (CPU). A TP worker on GPUs shares none: its ranks'
-        # caches are CUDA IPC openings here, which cannot be exported again (pair or gRPC).
+        # Same-host senders write into the shared cache, rank 0's made here (ranks 1..'s: their
+        # own files, rank_receivers.py). A TP worker on GPUs shares none: its ranks 1.. share CPU
+        # caches only, and rank 0 alike.
         tensor_parallel = config.model.tensor_parallel_size > 1
         if shared_memory and can_share(device) and not (tensor_parallel and device.type != "cpu"):
             layout = KVLayout.of(engine.runner.kv_caches)  # rank 0's heads
@@ -129,24 +129,18 @@ class DecodeWorker(EngineLoop):
         executor = engine.executor
         fingerprint = model_fingerprint(executor.model_config, engine.model_path)
         num_kv_heads = executor.model_config.num_kv_heads
+        kv_caches = list(engine.runner.kv_caches)  # rank 0's own heads
         links: list[RankLink] = []
-        if transfer.per_rank and tensor_parallel:  # each rank receives its own heads
+        if tensor_parallel:  # each rank receives its own heads
             tp = config.model.tensor_parallel_size
             heads = rank_heads(executor.model_config, tp)
-            view: list[KVLayer] = list(engine.runner.kv_caches)  # rank 0's own heads
             service = functools.partial(
                 serve_rank, fingerprint, host, enable_pairs, shared_memory, heads, num_kv_heads
             )
             links = executor.start_rank_service(service)
-        else:  # rank 0 receives every head (under TP, into its view of every rank's cache)
-            view = executor.kv_view()
-        shared = ()
-        if self.shm is not None:
-            locators = [self.shm.locator, *([] if links else executor.rank_kv_files())]
-            shared = listing(view, locators)
-        whole = num_kv_heads if links else 0  # rank 0 holds some of the model's heads
+        shared = () if self.shm is None else listing(kv_caches, self.shm.locator)
         receiver = KVReceiver(
-            view, fingerprint, host, port, shared, enable_pairs, num_kv_heads=whole
+            kv_caches, fingerprint, host, port, shared, enable_pairs, num_kv_heads=num_kv_heads
         )
         self.receiver = RankReceivers(receiver, links)
         self.arrivals = engine.executor.arrivals(self.receiver, engine.scheduler)

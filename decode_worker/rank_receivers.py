@@ -1,11 +1,11 @@
 """A decode worker's per-rank KV transfer: each tensor-parallel rank receives its own KV heads.
 
-With `TransferConfig.per_rank`, a decode worker of several ranks runs a `KVReceiver` in every
-rank over the rank's own cache: rank 0's in the worker, rank d's in the service `serve_rank`
-starts in the rank's process (its own gRPC endpoint, pair store and host-local socket, and on
-the CPU its cache moved into a /dev/shm file that same-host senders map). Its tickets list every
-rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its heads, one
-stream per rank pair that share heads (kv_transfer/fanout.py).
+A decode worker of several ranks runs a `KVReceiver` in every rank over the rank's own cache:
+rank 0's in the worker, rank d's in the service `serve_rank` starts in the rank's process (its
+own gRPC endpoint, pair store and host-local socket, and on the CPU its cache moved into a
+/dev/shm file that same-host senders map, which rank 0 unlinks when it closes). Its tickets
+list every rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its
+heads, one stream per rank pair that share heads (kv_transfer/fanout.py).
 
 `RankReceivers` stands where the worker's receiver stood (`expect`, `cancel`, `poll`):
 - expect: every rank reserves the request's blocks (the same block ids: the block table is rank
@@ -107,7 +107,7 @@ class _Pending:
 
 class RankReceivers:
     """Rank 0's KV receiving: its `KVReceiver`, and the ranks' over `links` (the services
-    `serve_rank` runs in ranks 1..; none at TP 1 or on the rank-0 path)."""
+    `serve_rank` runs in ranks 1..; none at TP 1)."""
 
     def __init__(self, receiver: KVReceiver, links: list[RankLink]) -> None:
         self.receiver = receiver

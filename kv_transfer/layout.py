@@ -22,12 +22,10 @@ Copies on CPU follow the shape of the slots, and never touch fresh memory they d
 - large indexed copies run on a few threads; the layers that a shared-memory copy finds ready
   together go over them whole, a share of the layers each (`plan_layer_copy`).
 
-A tensor-parallel worker's layer is a `HeadShards` (tandem/engine/tp/kv_view.py): the ranks'
-tensors, each holding some of the heads. The wire tensor still has every head in order: a
-gather joins the ranks' heads (a replicated head read once), a scatter writes each rank its heads
-(every rank that holds one), through one staging tensor per layer; the in-place row paths are
-for single tensors. A `HeadWindow` (one stream of a per-rank transfer: some heads of one rank's
-cache) gathers the rank's rows, then its heads, and scatters into its heads of the slots.
+A tensor-parallel worker's ranks each move their own heads (docs/kv_transfer.md): a stream's
+layer is a `HeadWindow` (tandem/engine/tp/kv_view.py) when it carries some of a rank's heads; a
+gather takes the rank's rows, then the window's heads of them, and a scatter writes the window's
+heads of the slots in place.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ import torch
 
 from tandem.engine import native
 from tandem.engine.kv_quant import copy_slots, decode, encode, select_slots
-from tandem.engine.tp.kv_view import HeadShards, HeadWindow, KVLayer
+from tandem.engine.tp.kv_view import HeadWindow, KVLayer
 
 
 def slot_mapping(
@@ -172,9 +170,6 @@ def gather_tokens(
     contiguous tensor of the cache's device, dtype and that shape, when given).
 
     cache: [2, num_blocks, block_size, heads, slot_dim] -> [2, num_tokens, heads, slot_dim]"""
-    if isinstance(cache, HeadShards):  # each rank's heads, joined in head order
-        parts = [gather_tokens(c, slots.to(c.device)).to(cache.device) for c in cache.distinct()]
-        return torch.cat(parts, dim=2, out=out) if out is not None else torch.cat(parts, dim=2)
     if isinstance(cache, HeadWindow):  # the rank's rows, then the window's heads of them
         heads = gather_tokens(cache.cache, slots)[:, :, cache.first : cache.first + cache.count]
         return out.copy_(heads) if out is not None else heads.contiguous()
@@ -263,7 +258,7 @@ def plan_layer_copy(
     at 2k, 34 -> 25 ms at 8k, measured on 2 cores). Elsewhere layer by layer, a CUDA copy landed
     before the next layer starts."""
     copy = plan_copy(src[0], src_slots, dst[0], dst_slots)
-    devices = [c.device for layer in (src[0], dst[0]) for c in _tensors(layer)]
+    devices = [src[0].device, dst[0].device]
     cpu = all(device.type == "cpu" for device in devices)
 
     def layer_by_layer(layers: range, until: float) -> bool:
@@ -300,12 +295,6 @@ def plan_layer_copy(
     return over_threads
 
 
-def _tensors(layer: KVLayer) -> tuple[torch.Tensor, ...]:
-    if isinstance(layer, HeadWindow):
-        return _tensors(layer.cache)
-    return layer.caches if isinstance(layer, HeadShards) else (layer,)
-
-
 def _same_cpu_format(a: KVLayer, b: KVLayer) -> bool:
     """Two single CPU tensors of one dtype: rows copy between them as they are."""
     tensors = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
@@ -327,18 +316,11 @@ def scatter_tokens(cache: KVLayer, slots: torch.Tensor, tokens: torch.Tensor) ->
 
     Another dtype is converted through float32: a cast between float caches, (de)quantization
     where one side is int8/fp8; the same dtype is copied byte for byte, scales included."""
-    if isinstance(cache, HeadShards):  # each rank its heads
-        for c, first in zip(cache.caches, cache.first_heads, strict=True):
-            heads = tokens[:, :, first : first + c.shape[3]].contiguous()
-            scatter_tokens(c, slots.to(c.device), heads)
-        return
     tokens = tokens.to(cache.device)
     if tokens.dtype != cache.dtype:
         tokens = encode(decode(tokens, torch.float32), cache.dtype)
     if isinstance(cache, HeadWindow):  # the window's heads of the slots, in place
         whole = cache.cache
-        if not isinstance(whole, torch.Tensor):
-            raise TypeError("a window is written into one rank's cache")
         flat = whole.view(2, -1, *whole.shape[3:])[:, :, cache.first : cache.first + cache.count]
         copy_slots(flat, 1, slots, tokens)
         return

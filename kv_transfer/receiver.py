@@ -133,8 +133,8 @@ class KVReceiver:
     """Receives requests' prompt KV into this process's paged KV cache.
 
     `kv_caches` are the engine's per-layer tensors (those of a `SharedKVCache` when the engine
-    computes in one, so same-host senders can write directly: then `shared_caches` lists it, one
-    entry per rank of a tensor-parallel engine, `shm.listing`).
+    computes in one, so same-host senders can write directly: then `shared_caches` lists it,
+    `shm.listing`).
 
     One rank of a tensor-parallel decode worker that receives its own heads (a per-rank
     transfer) has `kv_caches` of its heads, `first_head` on, of the model's `num_kv_heads`: a
@@ -143,7 +143,7 @@ class KVReceiver:
 
     def __init__(
         self,
-        kv_caches: Sequence[KVLayer],
+        kv_caches: Sequence[torch.Tensor],
         model_fingerprint: str,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -352,8 +352,7 @@ class KVReceiver:
             stream = res
             if header.num_heads:
                 first = heads.start - self.heads.start
-                own = [c for c in self.kv_caches if isinstance(c, torch.Tensor)]  # all: checked
-                caches = head_window(own, first, len(heads))
+                caches = head_window(self.kv_caches, first, len(heads))
                 stream = _Reservation(res.ticket, res.slots, caches, heads, res)
                 stream.status.deadline = res.status.deadline
                 res.parts.append(stream)
@@ -377,8 +376,6 @@ class KVReceiver:
             )
         if len(heads) == self.layout.num_kv_heads:
             return None
-        if not isinstance(self.kv_caches[0], torch.Tensor):
-            return "this worker takes every head in one stream (its ranks' caches are joined)"
         with res.lock:
             taken = {h for p in res.parts for h in p.heads}
         if taken & set(heads):

@@ -3,10 +3,10 @@ request's KV straight into a decode worker's blocks (one copy, no socket).
 
 The decode worker creates the cache (`SharedKVCache.create`, over a `SharedKVFile` in /dev/shm:
 tandem/engine/shared_kv.py) and lists it in its tickets (`KVTicket.shared_caches`); the prefill
-worker attaches by path. A tensor-parallel decode worker lists one cache per rank, each with the
-KV heads it holds (rank 0's created here, ranks 1..'s moved into their own files by the ranks:
-tandem/engine/tp/ranks.py); the sender opens them all and sees them as one cache of `HeadShards`
-(`SharedCacheAttachments.view`). A file is unlinked when its creator closes it, or by the next
+worker attaches by path. Each rank of a tensor-parallel decode worker shares its own cache, with
+the KV heads it holds (rank 0's created here, ranks 1..'s moved into files of their own:
+decode_worker/rank_receivers.py), and each stream of a per-rank transfer writes one of them
+(docs/kv_transfer.md). A file is unlinked when its creator closes it, or by the next
 `create` on the host once the creator is gone (killed); mappings already made stay valid until
 they are dropped.
 
@@ -20,7 +20,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ import torch
 from kv_transfer.cuda_ipc import CudaSharedKVCache, is_cuda_locator
 from kv_transfer.ticket import KVLayout, KVTicket, RankCache, check_listing
 from tandem.engine.shared_kv import SharedKVFile, shm_available
-from tandem.engine.tp.kv_view import HeadShards, KVLayer
+from tandem.engine.tp.kv_view import KVLayer
 
 
 class SharedKVCache:
@@ -95,15 +94,9 @@ def attach(locator: str, layout: KVLayout) -> SharedCache:
     return SharedKVCache.attach(locator, layout)
 
 
-def listing(view: Sequence[KVLayer], locators: Sequence[str]) -> tuple[RankCache, ...]:
-    """A ticket's `shared_caches`: each rank's locator (in rank order) and the heads that rank
-    holds in `view`, the receiver's KV cache (one entry for a cache of one device)."""
-    layer = view[0]
-    if isinstance(layer, HeadShards):
-        ranks = zip(locators, layer.first_heads, layer.caches, strict=True)
-        return tuple(RankCache(locator, first, c.shape[3]) for locator, first, c in ranks)
-    (locator,) = locators
-    return (RankCache(locator, 0, layer.shape[3]),)
+def listing(kv_caches: Sequence[KVLayer], locator: str) -> tuple[RankCache, ...]:
+    """A ticket's `shared_caches`: the receiver's cache by `locator`, with the heads it holds."""
+    return (RankCache(locator, 0, kv_caches[0].shape[3]),)
 
 
 class SharedCacheAttachments:
@@ -136,19 +129,16 @@ class SharedCacheAttachments:
             return cache
 
     def view(self, ticket: KVTicket) -> list[KVLayer]:
-        """The receiver's KV cache, every rank's listed in the ticket opened: per layer its
-        tensor, or, over several ranks, a `HeadShards` (layout.py writes each rank its heads).
-        ValueError (or the opening's error) when a rank's cache cannot be opened."""
+        """The receiver's KV cache as the ticket lists it, every head of the model in one cache
+        (a per-rank transfer's streams each open their decode rank's: sender.py). ValueError
+        (or the opening's error) when it lists another or cannot be opened."""
         check_listing(ticket.shared_caches, ticket.layout.num_kv_heads)
-        ranks = [
-            self.get(c.locator, replace(ticket.layout, num_kv_heads=c.num_heads)).kv_caches
-            for c in ticket.shared_caches
-        ]  # kept: a cache may be closed (LRU) while a plane writes into its tensors
-        if len(ranks) == 1 and ticket.shared_caches[0].num_heads == ticket.layout.num_kv_heads:
-            return list(ranks[0])
-        first = tuple(c.first_head for c in ticket.shared_caches)
-        heads = ticket.layout.num_kv_heads
-        return [HeadShards(tuple(layers), first, heads) for layers in zip(*ranks, strict=True)]
+        if len(ticket.shared_caches) != 1:
+            raise ValueError(
+                f"shared_caches lists {len(ticket.shared_caches)} caches: one stream writes one"
+            )
+        # the tensors kept: a cache may be closed (LRU) while a plane writes into them
+        return list(self.get(ticket.shared_caches[0].locator, ticket.layout).kv_caches)
 
     def close(self) -> None:
         with self._lock:

@@ -37,7 +37,7 @@ from tandem.engine.engine_core import EngineCore, RequestDelta
 from tandem.engine.loop import EngineLoop
 from tandem.engine.request import Request, RequestStatus
 from tandem.engine.scheduler import Role
-from tandem.engine.tp.kv_view import KVLayer, rank_heads
+from tandem.engine.tp.kv_view import rank_heads
 from tandem.engine.tp.ranks import RankLauncher, RankLink
 from tandem.sampling_params import SamplingParams
 
@@ -86,17 +86,14 @@ class PrefillWorker(EngineLoop):
             self.fingerprint, host, transfer.channel, pair_idle_s=transfer.pair_idle_s
         )
         tp = engine.config.model.tensor_parallel_size
+        self.kv_caches = list(engine.runner.kv_caches)  # rank 0's own heads
         links: list[RankLink] = []
-        if transfer.per_rank and tp > 1:  # each rank sends its own heads: rank 0's cache here
-            self.kv_caches: list[KVLayer] = list(engine.runner.kv_caches)
+        if tp > 1:  # each rank sends its own heads
             service = functools.partial(
                 serve_rank, self.fingerprint, host, transfer.channel, transfer.pair_idle_s
             )
             links = executor.start_rank_service(service)
-            heads = rank_heads(executor.model_config, tp)
-        else:  # rank 0 sends every head (under TP, its view of every rank's cache)
-            self.kv_caches = executor.kv_view()
-            heads = [range(executor.model_config.num_kv_heads)]
+        heads = rank_heads(executor.model_config, tp)
         self.outbound = RankSenders(sender, links, heads, len(self.kv_caches))
         self.stream_layers = stream_layers
         self.transfer_metrics = TransferMetrics()

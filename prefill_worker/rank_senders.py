@@ -28,10 +28,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from kv_transfer import KVSender, KVTicket, OutboundTransfer
 from kv_transfer.fanout import RankStream, rank_streams
 from kv_transfer.state import FailureCause, TransferError, TransferState, TransferStatus
-from tandem.engine.tp.kv_view import HeadWindow, KVLayer, head_window
+from tandem.engine.tp.kv_view import head_window
 from tandem.engine.tp.ranks import RankContext, RankLink
 
 log = logging.getLogger(__name__)
@@ -246,7 +248,7 @@ class RankTransfer:
 
 class RankSenders:
     """Rank 0's KV sending: its `KVSender`, and per-rank transfers over `links` (the services
-    `serve_rank` runs in ranks 1..; none at TP 1 or on the rank-0 path)."""
+    `serve_rank` runs in ranks 1..; none at TP 1)."""
 
     def __init__(
         self, sender: KVSender, links: list[RankLink], prefill_heads: list[range], num_layers: int
@@ -263,12 +265,11 @@ class RankSenders:
     def begin(
         self,
         ticket: KVTicket,
-        kv_caches: Sequence[KVLayer],
+        kv_caches: Sequence[torch.Tensor],
         call_timeout_s: float | None = None,
     ) -> OutboundTransfer | RankTransfer:
-        """The ticket's transfer from this worker's `kv_caches` (rank 0's own, or its view of
-        every rank's heads on the rank-0 path): one stream into one receiver, or a
-        `RankTransfer`."""
+        """The ticket's transfer from this worker's `kv_caches` (rank 0's own heads): one
+        stream into one receiver, or a `RankTransfer`."""
         if not ticket.ranks and not self.links:
             return self.sender.begin(ticket, kv_caches, call_timeout_s)
         decode = ticket.decode_ranks()
@@ -281,8 +282,7 @@ class RankSenders:
         local = []
         for s in streams:
             if s.prefill_rank == 0:
-                caches = [c for c in kv_caches if not isinstance(c, HeadWindow)]
-                window = head_window(caches, s.heads.start, len(s.heads))
+                window = head_window(kv_caches, s.heads.start, len(s.heads))
                 local.append(
                     self.sender.begin(
                         ticket.for_rank(s.decode_rank), window, timeout, s.heads, self.num_kv_heads

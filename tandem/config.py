@@ -398,10 +398,6 @@ class TransferConfig:
     timeout_s: float = 30.0  # decode: a transfer's deadline
     on_failure: str = "local"  # decode: ON_TRANSFER_FAILURE
     pair_idle_s: float = 300.0  # prefill: a torch.distributed pair idle this long is closed
-    # A tensor-parallel worker's KV moves per rank pair, each rank its own heads (False: rank
-    # 0 moves every head through its view of the ranks' caches; docs/kv_transfer.md). A
-    # per-rank prefill worker sends to either kind of decode worker only at TP 1 on that side.
-    per_rank: bool = True
 
     def __post_init__(self) -> None:
         if self.channel not in KV_CHANNELS:

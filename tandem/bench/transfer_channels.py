@@ -69,7 +69,7 @@ class ChannelReceiver:
                 for _ in range(layout.num_layers)
             ]
         )
-        shared = listing(caches, [self.shm.locator]) if self.shm is not None else ()
+        shared = listing(caches, self.shm.locator) if self.shm is not None else ()
         self.receiver = KVReceiver(caches, _FINGERPRINT, shared_caches=shared)
         self.blocks = block_order(num_blocks, config.seed + 1)
         self.listener = socket.create_server(("127.0.0.1", 0))

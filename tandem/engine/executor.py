@@ -39,7 +39,7 @@ from tandem.engine.sim import (
 from tandem.engine.spec.draft import draft_kv_bytes_per_block
 from tandem.engine.spec.factory import TARGET_VOCAB_METHODS
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.kv_view import KVLayer, first_kv_heads, whole_cache
+from tandem.engine.tp.kv_view import first_kv_heads
 from tandem.engine.tp.ranks import (
     LOAD_TIMEOUT,
     RankLauncher,
@@ -47,7 +47,6 @@ from tandem.engine.tp.ranks import (
     Ranks,
     RankService,
     RunService,
-    ShareKV,
     TPModelRunner,
 )
 from tandem.engine.tp.shard import check_tensor_parallel
@@ -88,16 +87,6 @@ class Executor:
         """Between steps: raise AssertionError if a rank beside this process disagrees with
         its block bookkeeping (`live`: the blocks its block tables hold; no rank here)."""
 
-    def kv_view(self) -> list[KVLayer]:
-        """The KV cache as a worker's transfer reads and writes it: per layer, every KV head
-        of the model (here, the runner's own caches)."""
-        return list(self.runner.kv_caches)
-
-    def rank_kv_files(self) -> list[str]:
-        """Once `kv_view` ran: the /dev/shm files of ranks 1..'s caches, which another process
-        of the host maps by path (shared_kv.py); none for one device, or for ranks on GPUs."""
-        return []
-
     def start_rank_service(self, service: RankService) -> list[RankLink]:
         """Run a worker's `service` in each rank 1.. over the rank's own KV cache (ranks.py);
         none here: one device."""
@@ -132,14 +121,6 @@ class TPExecutor(Executor):
         assert isinstance(self.runner, TPModelRunner)
         first_heads = first_kv_heads(self.whole_config, self.ranks.group.size)
         self.runner.check_ranks(live, first_heads)
-
-    def kv_view(self) -> list[KVLayer]:
-        """Every rank's heads, the others' caches mapped into this process (kv_view.py)."""
-        caches = self.ranks.kv_caches(list(self.runner.kv_caches))
-        return list(whole_cache(caches, self.whole_config))
-
-    def rank_kv_files(self) -> list[str]:
-        return [file.path for file in self.ranks.kv_files]
 
     def start_rank_service(self, service: RankService) -> list[RankLink]:
         return self.ranks.start_service(service)
@@ -224,7 +205,6 @@ def serve_rank(
     config: EngineConfig,
     model_path: Path,
     tp: TPGroup,
-    share_kv: ShareKV,
     run_service: RunService,
 ) -> None:
     """A rank other than 0: load its shard, meet the others, run rank 0's steps until stopped."""
@@ -232,7 +212,7 @@ def serve_rank(
     assert isinstance(runner, TPModelRunner)
     tp.barrier(LOAD_TIMEOUT)
     gather_drafter_vocab(config, runner)
-    runner.serve(share_kv, run_service)
+    runner.serve(run_service)
 
 
 def gather_drafter_vocab(config: EngineConfig, runner: TPModelRunner) -> None:

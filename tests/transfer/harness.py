@@ -547,7 +547,7 @@ class _Host:
                 torch.zeros(shape, dtype=layout.torch_dtype, device=DEVICE)
                 for _ in range(layout.num_layers)
             ]
-        shared = listing(kv_caches, [cache.locator]) if cache is not None else ()
+        shared = listing(kv_caches, cache.locator) if cache is not None else ()
         receiver = KVReceiver(kv_caches, "bare-model", shared_caches=shared)
         self.objects[name] = _Bare(receiver, kv_caches, cache)
         return receiver.endpoint

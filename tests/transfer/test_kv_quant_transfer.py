@@ -66,7 +66,7 @@ def test_fp8_kv_arrives_byte_exact_with_its_scales(channel: str) -> None:
     src = [encode(torch.randn(2, 8, 4, 2, 16, generator=g), layout.torch_dtype) for _ in range(2)]
     shm = SharedKVCache.create(layout, 8) if channel == "shm" else None
     dst = shm.kv_caches if shm is not None else [torch.zeros_like(c) for c in src]
-    shared = listing(dst, [shm.locator]) if shm is not None else ()
+    shared = listing(dst, shm.locator) if shm is not None else ()
     receiver = KVReceiver(dst, "fp", shared_caches=shared)
     sender = KVSender("fp", channel=channel)
     arrivals: list[Arrival] = []

@@ -45,9 +45,7 @@ SRC_BLOCKS, DST_BLOCKS, N = [5, 1, 7, 2], [3, 0, 6, 4], 14
 @pytest.fixture
 def receiver() -> Iterator[KVReceiver]:
     cache = SharedKVCache.create(LAYOUT, num_blocks=8)
-    rx = KVReceiver(
-        cache.kv_caches, "model", shared_caches=listing(cache.kv_caches, [cache.locator])
-    )
+    rx = KVReceiver(cache.kv_caches, "model", shared_caches=listing(cache.kv_caches, cache.locator))
     yield rx
     rx.close()
     cache.close()
@@ -294,7 +292,7 @@ def test_aborting_a_finished_transfer_leaves_its_connection_to_the_next(
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_without_the_socket_the_push_runs_on_grpc(side: str, source: list[torch.Tensor]) -> None:
     cache = SharedKVCache.create(LAYOUT, num_blocks=8)
-    shared = listing(cache.kv_caches, [cache.locator])
+    shared = listing(cache.kv_caches, cache.locator)
     rx = KVReceiver(
         cache.kv_caches, "model", shared_caches=shared, local_control=side != "receiver"
     )

@@ -1,26 +1,22 @@
 """KV transfer between workers of different tensor-parallel sizes, and a TP worker's liveness.
 
-SmolLM2-135M (3 KV heads): prefill at TP 3 -> decode at TP 1 and TP 1 -> TP 3, on the gRPC,
-shared-memory and pair planes, give the colocated TP 1 engine's greedy tokens (float32); a TP 3
-decode worker's ticket lists its three ranks' shared caches, and a same-host sender left to choose
-("auto") writes into them (shm). The wire carries the whole model's heads whatever the TP sizes,
-so what cannot be converted is another model's layout: it fails on both sides with a typed error
-before any byte moves, and leaves no block held. The workers run in this process (their other
-ranks are processes), so a test reads rank 0's block bookkeeping directly; the other ranks keep
-no bookkeeping.
+Each prefill rank sends its own heads and each decode rank receives its own, one stream per rank
+pair that share heads (docs/kv_transfer.md). SmolLM2-135M (3 KV heads): P TP 3 -> D TP 1
+(fan-in), P TP 1 -> D TP 3 (fan-out) on the gRPC, shared-memory and pair planes, and P TP 3 -> D
+TP 3 rank to rank with the plane left to choose ("auto": shm, the same host), give the colocated
+TP 1 engine's greedy tokens (float32), and the ranks' byte counters show every rank moved its
+own heads. Another model's layout is refused by decode rank 0 before any rank receives a byte,
+failing both sides with a typed error and leaving no block held. The workers run in this process
+(their other ranks are processes), so a test reads rank 0's block bookkeeping directly; the
+other ranks keep none, and `check_integrity()` checks them against it.
 
-The tiny model (4 heads, 2 KV heads) at P TP 2 -> D TP 4 and P TP 4 -> D TP 2: at TP 4 each KV
-head lives on two ranks (replicated, and written to both on shm), and the output is still the
-TP 1 engine's.
+The tiny model (4 heads, 2 KV heads) at P TP 2 -> D TP 4 and P TP 4 -> D TP 2 on every plane:
+at TP 4 each KV head lives on two ranks (replicated: sent once, received by both), and the
+output is still the TP 1 engine's.
 
 A decode worker at TP 2 (tiny model) whose rank 1 is killed mid-decode: the request ends with an
-error, the worker leaves the registry within its TTL and reports itself lost.
-
-Per rank (the default; the tests above pin the rank-0 path with `per_rank=False`): each
-prefill rank sends its own heads, each decode rank receives its own, one stream per rank pair
-(SmolLM2 P3r -> D1, P1 -> D3r, P3r -> D3r; the tiny model 2 <-> 4), asserted through the ranks'
-byte counters; a stream cut by killing rank 1 on either side fails the transfer on both; another
-model's layout is refused by decode rank 0 before any rank receives a byte.
+error, the worker leaves the registry within its TTL and reports itself lost. A stream cut by
+killing rank 1 on either side mid-transfer fails the transfer on both.
 """
 
 from __future__ import annotations
@@ -78,20 +74,15 @@ def reference(smollm2_path: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def workers(smollm2_path: Path) -> Iterator[dict[str, PrefillWorker | DecodeWorker]]:
-    """P1, P3, D1, D3 by name (TP 3 on the rank-0 path), and P3r, D3r at TP 3 moving KV per
-    rank; the prefill workers pick the plane each test asks for. Built at once: their ranks
-    load side by side."""
-    fail = TransferConfig(on_failure="fail", per_rank=False)
-    per_rank = TransferConfig(on_failure="fail")
+    """P1, P3, D1, D3 by name; the prefill workers pick the plane each test asks for. Built at
+    once: their ranks load side by side."""
+    fail = TransferConfig(on_failure="fail")
     builders: dict[str, Callable[[], PrefillWorker | DecodeWorker]] = {}
     for tp in (3, 1):
         builders[f"P{tp}"] = functools.partial(PrefillWorker, _config(smollm2_path, tp))
         builders[f"D{tp}"] = functools.partial(
             DecodeWorker, _config(smollm2_path, tp), transfer=fail
         )
-    three = _config(smollm2_path, 3)
-    builders["P3r"] = functools.partial(PrefillWorker, three, transfer=per_rank)
-    builders["D3r"] = functools.partial(DecodeWorker, three, transfer=per_rank)
     with ThreadPoolExecutor(len(builders)) as pool:
         futures = {name: pool.submit(build) for name, build in builders.items()}
         made = {name: future.result() for name, future in futures.items()}
@@ -130,32 +121,6 @@ def _no_block_held(*ws: PrefillWorker | DecodeWorker) -> None:
         assert kv.num_free_blocks == kv.num_blocks
 
 
-@pytest.mark.parametrize(
-    ("sides", "channel"),
-    [
-        (("P3", "D1"), "grpc"),
-        (("P1", "D3"), "grpc"),
-        (("P3", "D1"), "shm"),
-        (("P1", "D3"), "auto"),  # picks shm: the same host
-        (("P3", "D1"), "pair"),
-        (("P1", "D3"), "pair"),
-    ],
-)
-def test_greedy_tokens_across_tp_sizes(
-    workers: dict[str, PrefillWorker | DecodeWorker],
-    reference: list[int],
-    sides: tuple[str, str],
-    channel: str,
-) -> None:
-    prefill, decode = workers[sides[0]], workers[sides[1]]
-    assert isinstance(prefill, PrefillWorker) and isinstance(decode, DecodeWorker)
-    stream, outcome = _transfer(prefill, decode, f"{'-'.join(sides)}-{channel}", channel, PROMPT)
-    assert isinstance(outcome, PrefillResult), outcome
-    assert outcome.data_plane == (channel if channel != "auto" else "shm")
-    assert stream.tokens() == reference
-    _no_block_held(prefill, decode)
-
-
 def _rank_bytes(prefill: PrefillWorker, decode: DecodeWorker) -> tuple[list[int], list[int]]:
     """Bytes each prefill rank sent and each decode rank received so far (per-rank transfer)."""
     return list(prefill.outbound.rank_bytes), list(decode.receiver.rank_bytes)
@@ -176,16 +141,16 @@ def _every_rank_moved(
 @pytest.mark.parametrize(
     ("sides", "channel"),
     [
-        (("P3r", "D1"), "grpc"),
-        (("P1", "D3r"), "grpc"),
-        (("P3r", "D1"), "shm"),
-        (("P1", "D3r"), "shm"),
-        (("P3r", "D1"), "pair"),
-        (("P1", "D3r"), "pair"),
-        (("P3r", "D3r"), "auto"),  # shm: the same host
+        (("P3", "D1"), "grpc"),
+        (("P1", "D3"), "grpc"),
+        (("P3", "D1"), "shm"),
+        (("P1", "D3"), "shm"),
+        (("P3", "D1"), "pair"),
+        (("P1", "D3"), "pair"),
+        (("P3", "D3"), "auto"),  # shm: the same host
     ],
 )
-def test_per_rank_greedy_tokens_across_tp_sizes(
+def test_greedy_tokens_across_tp_sizes(
     workers: dict[str, PrefillWorker | DecodeWorker],
     reference: list[int],
     sides: tuple[str, str],
@@ -204,19 +169,14 @@ def test_per_rank_greedy_tokens_across_tp_sizes(
     _no_block_held(prefill, decode)
 
 
-@pytest.mark.parametrize(
-    ("name", "channel"), [("D3", "grpc"), ("D3", "shm"), ("D3r", "grpc"), ("D3r", "shm")]
-)
+@pytest.mark.parametrize("channel", ["grpc", "shm"])
 def test_unconvertible_layout_fails_both_sides(
-    workers: dict[str, PrefillWorker | DecodeWorker],
-    tiny_llama_path: Path,
-    name: str,
-    channel: str,
+    workers: dict[str, PrefillWorker | DecodeWorker], tiny_llama_path: Path, channel: str
 ) -> None:
-    """The tiny model's 2 KV heads and 2 layers into SmolLM2's at TP 3 (on shm, into its
-    ranks' caches, opened before the header is refused: nothing is written); per rank (D3r),
-    decode rank 0 refuses the header and no rank receives a byte."""
-    decode = workers[name]
+    """The tiny model's 2 KV heads and 2 layers into SmolLM2's at TP 3 (on shm, into decode
+    rank 0's cache, opened before the header is refused: nothing is written): decode rank 0
+    refuses the header and no rank receives a byte."""
+    decode = workers["D3"]
     assert isinstance(decode, DecodeWorker)
     received = list(decode.receiver.rank_bytes)
     prefill = PrefillWorker(EngineConfig.create(str(tiny_llama_path), **OPTIONS))
@@ -235,16 +195,12 @@ def test_unconvertible_layout_fails_both_sides(
         prefill.engine.close()
 
 
-@pytest.mark.parametrize(
-    ("sides", "per_rank"), [((2, 4), False), ((4, 2), False), ((2, 4), True), ((4, 2), True)]
-)
-def test_replicated_kv_heads_across_tp_sizes(
-    tiny_llama_path: Path, sides: tuple[int, int], per_rank: bool
-) -> None:
-    """Every plane between one pair of workers; per rank, every decode rank receives its
-    head (a replicated one from the prefill rank that sends it), each head sent once."""
+@pytest.mark.parametrize("sides", [(2, 4), (4, 2)])
+def test_replicated_kv_heads_across_tp_sizes(tiny_llama_path: Path, sides: tuple[int, int]) -> None:
+    """Every plane between one pair of workers: every decode rank receives its head (a
+    replicated one from the prefill rank that sends it), each head sent once."""
     prompt = list(range(5, 42))
-    fail = TransferConfig(on_failure="fail", per_rank=per_rank)
+    fail = TransferConfig(on_failure="fail")
     with ThreadPoolExecutor(2) as pool:
         p = pool.submit(PrefillWorker, _config(tiny_llama_path, sides[0]), transfer=fail)
         d = pool.submit(DecodeWorker, _config(tiny_llama_path, sides[1]), transfer=fail)
@@ -259,8 +215,7 @@ def test_replicated_kv_heads_across_tp_sizes(
             assert isinstance(outcome, PrefillResult), outcome
             assert outcome.data_plane == channel
             assert stream.tokens() == reference
-            if per_rank:
-                _every_rank_moved(before, prefill, decode)
+            _every_rank_moved(before, prefill, decode)
             _no_block_held(prefill, decode)
     finally:
         for worker in (prefill, decode):
@@ -314,17 +269,17 @@ def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
 
 
 @pytest.mark.parametrize("side", ["prefill", "decode"])
-def test_per_rank_stream_lost_fails_the_transfer(
+def test_rank_stream_lost_fails_the_transfer(
     tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch, side: str
 ) -> None:
-    """P TP 2 -> D TP 2 per rank, rank 1's stream cut mid-transfer (the trailer held back, the
+    """P TP 2 -> D TP 2, rank 1's stream cut mid-transfer (the trailer held back, the
     rank's process killed): the whole transfer fails on both sides with a typed error, and the
     side whose rank lives holds no block on any rank."""
     monkeypatch.setenv(FAULT_KV_TRAILER_DELAY, "3")
-    per_rank = TransferConfig(on_failure="fail")
+    fail = TransferConfig(on_failure="fail")
     with ThreadPoolExecutor(2) as pool:
-        p = pool.submit(PrefillWorker, _config(tiny_llama_path, 2), transfer=per_rank)
-        d = pool.submit(DecodeWorker, _config(tiny_llama_path, 2), transfer=per_rank)
+        p = pool.submit(PrefillWorker, _config(tiny_llama_path, 2), transfer=fail)
+        d = pool.submit(DecodeWorker, _config(tiny_llama_path, 2), transfer=fail)
         prefill, decode = p.result(), d.result()
     try:
         prefill.start()

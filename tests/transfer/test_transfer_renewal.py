@@ -29,7 +29,7 @@ TIMEOUT_S = 0.4  # the ticket's: each wait below is several of these
 @pytest.fixture(params=["grpc", "shm"])
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVSender, KVReceiver]]:
     cache = SharedKVCache.create(LAYOUT, num_blocks=8)
-    shared = listing(cache.kv_caches, [cache.locator])
+    shared = listing(cache.kv_caches, cache.locator)
     receiver = KVReceiver(cache.kv_caches, "model", shared_caches=shared, enable_pairs=False)
     sender = KVSender("model", channel=request.param)
     yield sender, receiver

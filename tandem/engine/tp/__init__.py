@@ -16,7 +16,7 @@ they receive.
 - `step.py`    the step message rank 0 broadcasts
 - `ranks.py`   the ranks and their launchers, and the runner that broadcasts (rank 0) or serves
                (the others)
-- `kv_view.py` the heads each rank holds, a window of a rank's heads (a per-rank KV transfer's
-               stream), and rank 0's view of every rank's KV cache (the rank-0 transfer path)
+- `kv_view.py` the heads each rank holds, and a window of a rank's heads (a per-rank KV
+               transfer's stream)
 - `mailbox.py` orders and reports between rank 0 and a worker's service in the other ranks
 """

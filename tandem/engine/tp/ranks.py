@@ -12,17 +12,11 @@ rank that dies or hangs fails rank 0's step within the group's timeout (`TensorP
 if rank 0 dies, the others' wait ends with a closed connection and they exit.
 
 A worker's rank 0 also sends, between steps, a keep-alive at most every KEEPALIVE_S
-(`keep_alive`), and reads the ranks' KV cache tensors once (`kv_caches`, for its KV transfer:
-kv_view.py): each rank moves its cache into shared memory and leaves in the store what maps it:
-on the CPU a named file in /dev/shm (`SharedKVFile`, which a same-host prefill worker maps too, so
-it writes a request's KV into every rank's cache: kv_transfer/shm.py; rank 0 unlinks the files
-when it stops the ranks), on GPUs the tensors' CUDA IPC handles (pickled by
-torch.multiprocessing); `healthy` says whether every rank is alive and the group unbroken.
-
-A worker may instead run a service of its own in each rank 1.. (`start_service`: a per-rank KV
-transfer's receiver or sender over the rank's own cache, docs/kv_transfer.md): rank 0 sends it
-through the store, each rank starts it between steps and hands back what it returns; rank 0
-then gives it orders and reads its reports through a pair of `Mailbox`es per rank.
+(`keep_alive`); `healthy` says whether every rank is alive and the group unbroken. A worker may
+run a service of its own in each rank 1.. (`start_service`: a per-rank KV transfer's receiver or
+sender over the rank's own cache, docs/kv_transfer.md): rank 0 sends it through the store, each
+rank starts it between steps and hands back what it returns; rank 0 then gives it orders and
+reads its reports through a pair of `Mailbox`es per rank.
 """
 
 from __future__ import annotations
@@ -37,7 +31,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,7 +43,6 @@ from tandem.engine.attention import SeqSpec
 from tandem.engine.dtypes import model_device
 from tandem.engine.runner import ModelInput, ModelRunner, StepResult
 from tandem.engine.scheduler import SchedulerOutput
-from tandem.engine.shared_kv import SharedKVFile, move_into_shared_file
 from tandem.engine.tp.group import HOST, TPGroup
 from tandem.engine.tp.integrity import StepLedger, answer_integrity, check_ranks
 from tandem.engine.tp.mailbox import Mailbox
@@ -58,7 +50,6 @@ from tandem.engine.tp.step import (
     INTEGRITY,
     KEEPALIVE,
     RUN_SERVICE,
-    SHARE_KV,
     STOP,
     StepMessage,
     acknowledge,
@@ -66,12 +57,10 @@ from tandem.engine.tp.step import (
 )
 from tandem.engine.tp.vocab import TargetVocab, WholeVocab
 
-# How a rank hands rank 0 its KV cache tensors when asked (SHARE_KV).
-ShareKV = Callable[[list[torch.Tensor]], None]
 # How a rank starts rank 0's service (RUN_SERVICE) over its KV cache tensors.
 RunService = Callable[[list[torch.Tensor]], None]
 # What a rank runs once it has joined the group: load its shard, then serve steps.
-RankMain = Callable[[EngineConfig, Path, TPGroup, ShareKV, RunService], None]
+RankMain = Callable[[EngineConfig, Path, TPGroup, RunService], None]
 
 
 @dataclass(frozen=True)
@@ -186,13 +175,11 @@ class TPModelRunner(ModelRunner):
             ) from e
 
     @torch.inference_mode()
-    def serve(self, share_kv: ShareKV, run_service: RunService) -> None:
-        """Run rank 0's steps until it stops the ranks; hand it the KV caches, start its
-        service over them, or check this rank against rank 0, when asked."""
+    def serve(self, run_service: RunService) -> None:
+        """Run rank 0's steps until it stops the ranks; start its service over the KV caches,
+        or check this rank against rank 0, when asked."""
         while (step := StepMessage.receive(self.group)) != STOP:
-            if step == SHARE_KV:
-                share_kv(self.kv_caches)
-            elif step == RUN_SERVICE:
+            if step == RUN_SERVICE:
                 run_service(self.kv_caches)
             elif step == KEEPALIVE:
                 acknowledge(self.group)
@@ -285,10 +272,9 @@ class Ranks:
     def __init__(self, group: TPGroup, handles: list[RankHandle], store: dist.Store) -> None:
         self.group = group
         self.handles = handles
-        self._store = store  # the ranks' rendezvous and KV hand-over; kept while they run
+        self._store = store  # the ranks' rendezvous and service hand-over; kept while they run
         self._last_sent = time.monotonic()  # of the last keep-alive
-        self.kv_files: list[SharedKVFile] = []  # ranks 1..'s CPU caches, once `kv_caches` ran
-        self._finalizer = weakref.finalize(self, _stop, group, handles, self.kv_files)
+        self._finalizer = weakref.finalize(self, _stop, group, handles)
 
     @classmethod
     def start(
@@ -336,16 +322,6 @@ class Ranks:
             send_control(self.group, KEEPALIVE)
             acknowledge(self.group)  # a round trip: a stopped rank fails it within the timeout
 
-    def kv_caches(self, own: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """Rank r's KV cache tensors (per layer) at [r], rank 0's being `own`: the others'
-        mapped into this process (shared memory, CUDA IPC). Call between steps, at the start:
-        a rank moves its CPU cache into shared memory first (a copy of its KV budget), whose
-        files `kv_files` then lists in rank order."""
-        send_control(self.group, SHARE_KV)
-        shared = [pickle.loads(self._store.get(_kv_key(r))) for r in range(1, self.group.size)]
-        self.kv_files[:] = [f for f in shared if isinstance(f, SharedKVFile)]
-        return [own, *(f.map() if isinstance(f, SharedKVFile) else f for f in shared)]
-
     def start_service(self, service: RankService) -> list[RankLink]:
         """Have every rank 1.. run `service` (between steps, once) over its own KV cache;
         their links in rank order. Raises what a rank's service raised."""
@@ -369,7 +345,6 @@ class Ranks:
         """Kill the ranks without a word to them (they may be stuck in a collective)."""
         self._finalizer.detach()
         _kill(self.handles)
-        _unlink(self.kv_files)
 
 
 def rank_main(
@@ -392,16 +367,12 @@ def rank_main(
     started: list[RankContext] = []
     service = partial(_run_service, port, rank, mc.tensor_parallel_size, started)
     try:
-        main(config, model_path, group, partial(_share_kv, store, rank), service)
+        main(config, model_path, group, service)
     finally:
         for ctx in started:  # its threads end, then what it opened closes
             ctx.stopping.set()
             for close in ctx.closers:
                 close()
-
-
-def _kv_key(rank: int) -> str:
-    return f"kv/{rank}"
 
 
 _SERVICE_KEY = "service"
@@ -430,17 +401,6 @@ def _run_service(
     store.set(f"{_SERVICE_KEY}/{rank}", pickle.dumps(result))  # type: ignore[arg-type]
 
 
-def _share_kv(store: dist.Store, rank: int, caches: list[torch.Tensor]) -> None:
-    """Rank `rank`'s caches into shared memory, what maps them into the store for rank 0: on
-    the CPU the caches move into a named file (`SharedKVFile`); on a GPU their CUDA IPC handles
-    (pickled as torch.multiprocessing does)."""
-    if caches[0].device.type == "cpu":
-        handles = pickle.dumps(move_into_shared_file(caches))
-    else:
-        handles = bytes(ForkingPickler.dumps(caches))
-    store.set(_kv_key(rank), handles)  # type: ignore[arg-type]  # bytes: the stubs say str
-
-
 def _await_started(store: dist.Store, handles: list[RankHandle]) -> None:
     """Wait until every rank has reached the store; one that exits first (an import error, a
     bad environment) fails the start at once rather than after the timeout."""
@@ -455,7 +415,7 @@ def _await_started(store: dist.Store, handles: list[RankHandle]) -> None:
         time.sleep(START_POLL_S)
 
 
-def _stop(group: TPGroup, handles: list[RankHandle], kv_files: list[SharedKVFile]) -> None:
+def _stop(group: TPGroup, handles: list[RankHandle]) -> None:
     if not group.broken:  # else some rank is dead or stuck in a collective: kill them all
         # A rank already gone cannot take the message; the join below then finds it dead.
         with contextlib.suppress(RuntimeError):
@@ -463,13 +423,6 @@ def _stop(group: TPGroup, handles: list[RankHandle], kv_files: list[SharedKVFile
         for handle in handles:
             handle.join(JOIN_SECONDS)
     _kill(handles)
-    _unlink(kv_files)
-
-
-def _unlink(kv_files: list[SharedKVFile]) -> None:
-    """The ranks' cache files (their mappings stay valid until dropped)."""
-    for file in kv_files:
-        file.unlink()
 
 
 def _kill(handles: list[RankHandle]) -> None:

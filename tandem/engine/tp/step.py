@@ -9,10 +9,9 @@ positions, each request's computed tokens, query length and block count, the blo
 sampled rows, the (src, dst) block pairs). A header of another kind is a control message
 (`CONTROLS`): STOP ends the ranks' loop, KEEPALIVE proves the group alive while rank 0 is idle:
 every rank answers it in an all-reduce (`acknowledge`), so a dead or stopped rank fails it within
-the group's timeout (a worker heartbeats only while these succeed), SHARE_KV asks each rank for
-its KV cache tensors (a worker's KV transfer reads and writes them: `tandem/engine/tp/kv_view.py`),
-INTEGRITY has each rank check itself against rank 0's bookkeeping (`tandem/engine/tp/integrity.py`),
-RUN_SERVICE has each rank start the service the worker runs beside the model (ranks.py).
+the group's timeout (a worker heartbeats only while these succeed), INTEGRITY has each rank
+check itself against rank 0's bookkeeping (`tandem/engine/tp/integrity.py`), RUN_SERVICE has
+each rank start the service the worker runs beside the model (a per-rank KV transfer: ranks.py).
 """
 
 from __future__ import annotations
@@ -25,8 +24,8 @@ import torch
 from tandem.engine.attention import SeqSpec
 from tandem.engine.tp.group import TPGroup
 
-STOP, STEP, KEEPALIVE, SHARE_KV, INTEGRITY, RUN_SERVICE = 0, 1, 2, 3, 4, 5
-CONTROLS = (STOP, KEEPALIVE, SHARE_KV, INTEGRITY, RUN_SERVICE)
+STOP, STEP, KEEPALIVE, INTEGRITY, RUN_SERVICE = 0, 1, 2, 3, 4
+CONTROLS = (STOP, KEEPALIVE, INTEGRITY, RUN_SERVICE)
 HEADER_LEN = 7  # kind, tokens, requests, block ids, sampled rows, block copies, layers (0: all)
 # How long a rank waits for rank 0's next step (an idle engine sends none); a rank 0 that died
 # ends the wait at once (its connections close).
