@@ -204,6 +204,19 @@ struct Span {
   int64_t offset(int64_t blk) const { return (blk - first_block) * block_size; }
 };
 
+// Between a task's two passes: each of its `rows` rows' scores (`stride` floats apart) become
+// their softmax numerators over the tokens the row sees, its maximum and sum go to `part`.
+inline void softmax_rows(const Span& span, int64_t rows, int64_t num_heads, float* scores,
+                         int64_t stride, Partial part) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = span.visible(r / num_heads);
+    if (n <= 0) continue;
+    const SpanSoftmax soft = softmax_in_place(scores + r * stride, n);
+    part.m[r] = soft.m;
+    part.l[r] = soft.sum;
+  }
+}
+
 // Per-thread buffers of the tasks: every row's scores over its span (then its softmax
 // numerators), `stride` floats apart, and one block's keys or values as float32 where the cache
 // holds another type.
@@ -274,13 +287,7 @@ void attend_span(const float* qbuf, const T* key_cache, const T* value_cache,
         s[t] = dot(qbuf + r * head_dim, k + t * num_kv_heads * head_dim, head_dim);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = span.visible(r / num_heads);
-    if (n <= 0) continue;
-    const SpanSoftmax soft = softmax_in_place(scores + r * stride, n);
-    part.m[r] = soft.m;
-    part.l[r] = soft.sum;
-  }
+  softmax_rows(span, rows, num_heads, scores, stride, part);
   for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
     if (blk + 1 < span.end_block)
       prefetch(value_cache + table[blk + 1] * block_stride, block_stride * sizeof(T));
@@ -335,13 +342,7 @@ void attend_span_bf16(const uint16_t* qbits, const uint16_t* key_cache,
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t n = span.visible(r / num_heads);
-    if (n <= 0) continue;
-    const SpanSoftmax soft = softmax_in_place(scores + r * stride, n);
-    part.m[r] = soft.m;
-    part.l[r] = soft.sum;
-  }
+  softmax_rows(span, rows, num_heads, scores, stride, part);
   // pass 2: the weighted values, each KV head's block widened once for its query heads
   float* values = scratch.block.data();  // [block_size][head_dim]
   for (int64_t blk = span.first_block; blk < span.end_block; ++blk) {
