@@ -33,7 +33,7 @@ import torch
 
 from decode_worker.rank_receivers import RankReceivers, serve_rank
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
-from kv_transfer.shm import SharedCache, can_share, create_shared_cache, listing
+from kv_transfer.shm import SharedCache, can_share, create_shared_cache
 from kv_transfer.state import FailureCause
 from kv_transfer.ticket import KVLayout, model_fingerprint
 from kv_transfer.transfer_metrics import TransferMetrics
@@ -138,7 +138,7 @@ class DecodeWorker(EngineLoop):
                 serve_rank, fingerprint, host, enable_pairs, shared_memory, heads, num_kv_heads
             )
             links = executor.start_rank_service(service)
-        shared = () if self.shm is None else listing(kv_caches, self.shm.locator)
+        shared = "" if self.shm is None else self.shm.locator
         receiver = KVReceiver(
             kv_caches, fingerprint, host, port, shared, enable_pairs, num_kv_heads=num_kv_heads
         )

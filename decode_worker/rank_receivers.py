@@ -29,7 +29,6 @@ from typing import Any
 
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
 from kv_transfer.state import FailureCause
-from kv_transfer.ticket import RankCache
 from tandem.engine.shared_kv import move_into_shared_file, shm_available
 from tandem.engine.tp.ranks import RankContext, RankLink
 
@@ -53,16 +52,15 @@ def serve_rank(
     `num_kv_heads`), driven by rank 0's orders; returns its ticket entry and its cache's
     /dev/shm file ("" when it shares none)."""
     mine = heads[ctx.rank]
-    path, shared = "", tuple[RankCache, ...]()
+    path = ""
     if shared_memory and ctx.kv_caches[0].device.type == "cpu" and shm_available():
         path = move_into_shared_file(ctx.kv_caches).path
-        shared = (RankCache(path, mine.start, len(mine)),)
     receiver = KVReceiver(
         ctx.kv_caches,
         fingerprint,
         host,
         0,
-        shared,
+        path,
         enable_pairs,
         first_head=mine.start,
         num_kv_heads=num_kv_heads,

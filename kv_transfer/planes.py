@@ -5,8 +5,8 @@ the serialized `KVChunk` messages that go on the Push stream (gRPC, or the recei
 socket: `local_control`). `GrpcPlane` puts the bytes in the
 messages themselves; `PairPlane` sends each layer over a torch.distributed pair and yields a
 marker after each group of sends; `ShmPlane` writes straight into the receiver's shared cache
-(shared memory, or GPU memory opened by CUDA IPC; a tensor-parallel receiver's ranks' caches,
-each written its heads) and yields one marker. Handing over every layer
+(shared memory, or GPU memory opened by CUDA IPC; a stream of a per-rank transfer writes its
+heads of one decode rank's cache) and yields one marker. Handing over every layer
 that is ready at once (all of them when the prefill did not stream layer by layer) keeps the
 control stream at a few messages per transfer.
 """
@@ -129,8 +129,8 @@ class ShmPlane(DataPlane):
     kind = pb.DATA_PLANE_SHM
 
     def __init__(self, targets: Sequence[KVLayer], ticket: KVTicket) -> None:
-        """`targets`: the receiver's cache as the sender opened it (`SharedCacheAttachments
-        .view`), each rank's tensors where it has several ranks."""
+        """`targets`: the receiver's cache layers as the sender opened them, or the stream's
+        heads of them (`KVSender._shared_targets`)."""
         self.targets = targets
         device = targets[0].device
         self.dst_slots = slot_mapping(

@@ -40,7 +40,7 @@ from kv_transfer.state import (
     TransferStatus,
     push_status,
 )
-from kv_transfer.ticket import DecodeRank, KVLayout, KVTicket, RankCache, check_listing, host_id
+from kv_transfer.ticket import DecodeRank, KVLayout, KVTicket, host_id
 from kv_transfer.wire import (
     SERVICE,
     parse_chunk,
@@ -133,8 +133,8 @@ class KVReceiver:
     """Receives requests' prompt KV into this process's paged KV cache.
 
     `kv_caches` are the engine's per-layer tensors (those of a `SharedKVCache` when the engine
-    computes in one, so same-host senders can write directly: then `shared_caches` lists it,
-    `shm.listing`).
+    computes in one, so same-host senders can write directly: then `shared_cache` is its
+    locator, `SharedKVCache.locator`).
 
     One rank of a tensor-parallel decode worker that receives its own heads (a per-rank
     transfer) has `kv_caches` of its heads, `first_head` on, of the model's `num_kv_heads`: a
@@ -147,7 +147,7 @@ class KVReceiver:
         model_fingerprint: str,
         host: str = "127.0.0.1",
         port: int = 0,
-        shared_caches: Sequence[RankCache] = (),
+        shared_cache: str = "",
         enable_pairs: bool = True,
         max_pairs: int = 64,
         max_streams: int = 128,
@@ -161,9 +161,7 @@ class KVReceiver:
         self.layout = replace(own, num_kv_heads=num_kv_heads or own.num_kv_heads)  # the model's
         self.model_fingerprint = model_fingerprint
         self.host = host
-        if len(self.heads) == self.layout.num_kv_heads:  # a rank's own entry lists its heads
-            check_listing(shared_caches, self.layout.num_kv_heads)
-        self.shared_caches = tuple(shared_caches)
+        self.shared_cache = shared_cache
         self.pairs = PairHost(host, max_pairs) if enable_pairs else None
         self._reservations: dict[str, _Reservation] = {}
         self._lock = threading.Lock()
@@ -177,7 +175,7 @@ class KVReceiver:
         # Same-host senders (the shm plane) run the Push protocol over a Unix socket instead;
         # a connection is a transfer in flight or one a sender keeps idle (16 at most each).
         self._local: LocalControlServer | None = None
-        if local_control and self.shared_caches:
+        if local_control and self.shared_cache:
             try:
                 self._local = LocalControlServer(self.serve, max_connections=8 * max_streams)
             except OSError as e:  # no Unix sockets here: same-host senders use gRPC
@@ -195,7 +193,7 @@ class KVReceiver:
             self.endpoint,
             self.pairs.address if self.pairs is not None else "",
             self._local.address if self._local is not None else "",
-            self.shared_caches[0].locator if self.shared_caches else "",
+            self.shared_cache,
         )
 
     def expect(
@@ -220,7 +218,7 @@ class KVReceiver:
             model_fingerprint=self.model_fingerprint,
             num_tokens=num_tokens,
             host_id=host_id(),
-            shared_caches=self.shared_caches,
+            shared_cache=self.shared_cache,
             pair_store=self.pairs.address if self.pairs is not None else "",
             timeout_s=timeout_s,
             local_control=self._local.address if self._local is not None else "",
@@ -331,7 +329,7 @@ class KVReceiver:
             problem += repr(ticket.model_fingerprint)
         elif header.num_tokens != ticket.num_tokens:
             problem = f"num_tokens {header.num_tokens}, reserved {ticket.num_tokens}"
-        elif header.data_plane == pb.DATA_PLANE_SHM and not self.shared_caches:
+        elif header.data_plane == pb.DATA_PLANE_SHM and not self.shared_cache:
             problem = "this worker has no shared-memory cache"
         elif header.data_plane == pb.DATA_PLANE_PAIR and (
             self.pairs is None or self.pairs.get(header.pair_id) is None

@@ -429,12 +429,12 @@ class KVSender:
         self, ticket: KVTicket, device: torch.device, heads: range | None
     ) -> DataPlane:
         want = self.channel
-        same_host = bool(ticket.shared_caches) and ticket.host_id == host_id()
+        same_host = bool(ticket.shared_cache) and ticket.host_id == host_id()
         if want == "shm" or (want == "auto" and same_host):
             if not same_host:
                 why = "the receiver is on another host"
-                if not ticket.shared_caches:  # e.g. tensor-parallel on GPUs: decode_core.py
-                    why = "the receiver lists no shared cache"
+                if not ticket.shared_cache:  # e.g. tensor-parallel on GPUs: decode_core.py
+                    why = "the receiver names no shared cache"
                 raise TransferError(FailureCause.SETUP, f"no shm plane: {why}")
             try:
                 return ShmPlane(self._shared_targets(ticket, heads), ticket)
@@ -455,15 +455,15 @@ class KVSender:
         return GrpcPlane(self.chunk_bytes)
 
     def _shared_targets(self, ticket: KVTicket, heads: range | None) -> list[KVLayer]:
-        """The receiver's shared cache as this transfer writes it: all of it, or, for a stream
-        of `heads`, those heads of the one decode rank the ticket lists."""
-        if heads is None:
-            return self.shm.view(ticket)
-        (rank,) = ticket.shared_caches
-        if heads.start < rank.first_head or heads.stop > rank.first_head + rank.num_heads:
-            raise ValueError(f"the decode rank does not hold KV heads {heads}")
+        """The receiver's shared cache as this transfer writes it: `heads` (default: every one
+        of the model's) of the decode rank the ticket's endpoints name (`KVTicket.for_rank`)."""
+        rank = ticket.decode_ranks()[0]
+        heads = range(ticket.layout.num_kv_heads) if heads is None else heads
+        if heads.start < rank.first_head or heads.stop > rank.heads.stop:
+            raise ValueError(f"the decode rank holds KV heads {rank.heads}, not {heads}")
         layout = replace(ticket.layout, num_kv_heads=rank.num_heads)
-        caches = self.shm.get(rank.locator, layout).kv_caches
+        # head_window lists the tensors anew: a cache may be closed (LRU) while a plane writes
+        caches = self.shm.get(ticket.shared_cache, layout).kv_caches
         return head_window(caches, heads.start - rank.first_head, len(heads))
 
     def _fell_back(self, why: str) -> None:

@@ -2,13 +2,13 @@
 request's KV straight into a decode worker's blocks (one copy, no socket).
 
 The decode worker creates the cache (`SharedKVCache.create`, over a `SharedKVFile` in /dev/shm:
-tandem/engine/shared_kv.py) and lists it in its tickets (`KVTicket.shared_caches`); the prefill
-worker attaches by path. Each rank of a tensor-parallel decode worker shares its own cache, with
+tandem/engine/shared_kv.py) and names it in its tickets (`KVTicket.shared_cache`); the prefill
+worker attaches by path. Each rank of a tensor-parallel decode worker shares its own cache of
 the KV heads it holds (rank 0's created here, ranks 1..'s moved into files of their own:
-decode_worker/rank_receivers.py), and each stream of a per-rank transfer writes one of them
-(docs/kv_transfer.md). A file is unlinked when its creator closes it, or by the next
-`create` on the host once the creator is gone (killed); mappings already made stay valid until
-they are dropped.
+decode_worker/rank_receivers.py; the ticket's `ranks` name them), and each stream of a per-rank
+transfer writes its heads of one of them (docs/kv_transfer.md). A file is unlinked when its
+creator closes it, or by the next `create` on the host once the creator is gone (killed);
+mappings already made stay valid until they are dropped.
 
 CPU tensors only; a CUDA cache plays the same role through CUDA IPC (`cuda_ipc.py`), and
 `SharedCacheAttachments` opens either kind by the locator in the ticket.
@@ -19,15 +19,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from kv_transfer.cuda_ipc import CudaSharedKVCache, is_cuda_locator
-from kv_transfer.ticket import KVLayout, KVTicket, RankCache, check_listing
+from kv_transfer.ticket import KVLayout
 from tandem.engine.shared_kv import SharedKVFile, shm_available
-from tandem.engine.tp.kv_view import KVLayer
 
 
 class SharedKVCache:
@@ -94,11 +92,6 @@ def attach(locator: str, layout: KVLayout) -> SharedCache:
     return SharedKVCache.attach(locator, layout)
 
 
-def listing(kv_caches: Sequence[KVLayer], locator: str) -> tuple[RankCache, ...]:
-    """A ticket's `shared_caches`: the receiver's cache by `locator`, with the heads it holds."""
-    return (RankCache(locator, 0, kv_caches[0].shape[3]),)
-
-
 class SharedCacheAttachments:
     """The sender's open receivers' caches (mappings or CUDA IPC openings) by locator, least
     recently used dropped first; a locator that could not be opened is not tried again for
@@ -127,18 +120,6 @@ class SharedCacheAttachments:
                     self._open.popitem(last=False)[1].close()
             self._open.move_to_end(locator)
             return cache
-
-    def view(self, ticket: KVTicket) -> list[KVLayer]:
-        """The receiver's KV cache as the ticket lists it, every head of the model in one cache
-        (a per-rank transfer's streams each open their decode rank's: sender.py). ValueError
-        (or the opening's error) when it lists another or cannot be opened."""
-        check_listing(ticket.shared_caches, ticket.layout.num_kv_heads)
-        if len(ticket.shared_caches) != 1:
-            raise ValueError(
-                f"shared_caches lists {len(ticket.shared_caches)} caches: one stream writes one"
-            )
-        # the tensors kept: a cache may be closed (LRU) while a plane writes into them
-        return list(self.get(ticket.shared_caches[0].locator, ticket.layout).kv_caches)
 
     def close(self) -> None:
         with self._lock:

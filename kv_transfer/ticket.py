@@ -2,10 +2,10 @@
 
 The decode worker issues a `KVTicket` when it reserves blocks for a prompt; the router hands it to
 the prefill worker with the request. The ticket names where to send (endpoint, and the optional
-shared caches, one per rank of a tensor-parallel receiver with the KV heads it holds, host-local
-control socket and torch.distributed rendezvous), which blocks to fill,
-and what the receiver will accept (layout and fingerprint); a header that disagrees is refused
-before anything is written.
+shared cache, host-local control socket and torch.distributed rendezvous; a tensor-parallel
+receiver's ranks each with theirs and the KV heads they hold), which blocks to fill, and what the
+receiver will accept (layout and fingerprint); a header that disagrees is refused before
+anything is written.
 """
 
 from __future__ import annotations
@@ -82,45 +82,10 @@ class KVLayout:
 
 
 @dataclass(frozen=True)
-class RankCache:
-    """One decode rank's shared KV cache, as a same-host sender opens it (a /dev/shm path, or a
-    CUDA IPC locator: shm.py), and the model's KV heads it holds: `num_heads` from `first_head`
-    (a head replicated over several ranks is listed on each)."""
-
-    locator: str
-    first_head: int
-    num_heads: int
-
-    def to_proto(self) -> pb.RankCache:
-        return pb.RankCache(
-            locator=self.locator, first_head=self.first_head, num_heads=self.num_heads
-        )
-
-    @classmethod
-    def from_proto(cls, msg: pb.RankCache) -> RankCache:
-        return cls(msg.locator, msg.first_head, msg.num_heads)
-
-
-def check_listing(caches: Sequence[RankCache], num_kv_heads: int) -> None:
-    """ValueError unless each rank's heads lie within the model's and together cover them."""
-    covered: set[int] = set()
-    for rank, c in enumerate(caches):
-        if c.num_heads < 1 or c.first_head + c.num_heads > num_kv_heads:
-            raise ValueError(
-                f"shared_caches[{rank}]: heads {c.first_head}..{c.first_head + c.num_heads - 1} "
-                f"outside the model's {num_kv_heads} KV heads"
-            )
-        covered.update(range(c.first_head, c.first_head + c.num_heads))
-    if caches and len(covered) != num_kv_heads:
-        missing = sorted(set(range(num_kv_heads)) - covered)
-        raise ValueError(f"shared_caches: no rank holds KV heads {missing}")
-
-
-@dataclass(frozen=True)
 class DecodeRank:
     """One rank of a tensor-parallel decode worker that receives its own heads (a per-rank
     transfer): the model's KV heads it holds (`num_heads` from `first_head`) and its endpoints,
-    as a ticket's `endpoint`, `pair_store`, `local_control` and `shared_caches` name rank 0's."""
+    as a ticket's `endpoint`, `pair_store`, `local_control` and `shared_cache` name rank 0's."""
 
     first_head: int
     num_heads: int
@@ -157,38 +122,38 @@ class KVTicket:
     model_fingerprint: str
     num_tokens: int
     host_id: str = ""
-    # the receiver's cache for same-host senders, one entry per rank (shm.py); () when none
-    shared_caches: tuple[RankCache, ...] = ()
+    shared_cache: str = ""  # the receiver's cache for same-host senders (shm.py); "" when none
     pair_store: str = ""  # host:port of its TCPStore for torch.distributed pairs; "" when none
     timeout_s: float = 30.0
     local_control: str = ""  # its host-local control socket (local_control.py); "" when none
-    # per-rank transfer: each decode rank's heads and endpoints, rank 0 first; () when rank 0
-    # receives every head
+    # per-rank transfer: each decode rank's heads and endpoints, rank 0 first (a stream's ticket,
+    # `for_rank`: its one decode rank); () when the receiver holds every head
     ranks: tuple[DecodeRank, ...] = ()
 
     def decode_ranks(self) -> tuple[DecodeRank, ...]:
         """The decode ranks a per-rank sender sends to: `ranks`, or the receiver itself as one
-        rank holding every head."""
+        rank holding every head. The first is the one the ticket's endpoints name."""
         if self.ranks:
             return self.ranks
-        heads, caches = self.layout.num_kv_heads, self.shared_caches
-        locator = caches[0].locator if len(caches) == 1 and caches[0].num_heads == heads else ""
-        return (DecodeRank(0, heads, self.endpoint, self.pair_store, self.local_control, locator),)
+        heads = self.layout.num_kv_heads
+        return (
+            DecodeRank(
+                0, heads, self.endpoint, self.pair_store, self.local_control, self.shared_cache
+            ),
+        )
 
     def for_rank(self, rank: int) -> KVTicket:
-        """The ticket as one stream into decode rank `rank` sees it: that rank's endpoints (and
-        its shared cache, listed with its heads), the same blocks, layout and deadline."""
+        """The ticket as one stream into decode rank `rank` sees it: that rank's endpoints and
+        shared cache, listing that rank alone (its heads: where the stream's land in its cache),
+        the same blocks, layout and deadline."""
         target = self.decode_ranks()[rank]
-        caches: tuple[RankCache, ...] = ()
-        if target.shared_cache:
-            caches = (RankCache(target.shared_cache, target.first_head, target.num_heads),)
         return replace(
             self,
             endpoint=target.endpoint,
-            shared_caches=caches,
+            shared_cache=target.shared_cache,
             pair_store=target.pair_store,
             local_control=target.local_control,
-            ranks=(),
+            ranks=(target,),
         )
 
     def to_proto(self) -> pb.KVTicket:
@@ -200,7 +165,7 @@ class KVTicket:
             model_fingerprint=self.model_fingerprint,
             num_tokens=self.num_tokens,
             host_id=self.host_id,
-            shared_caches=[c.to_proto() for c in self.shared_caches],
+            shared_cache=self.shared_cache,
             pair_store=self.pair_store,
             timeout_s=self.timeout_s,
             local_control=self.local_control,
@@ -217,7 +182,7 @@ class KVTicket:
             msg.model_fingerprint,
             msg.num_tokens,
             msg.host_id,
-            tuple(RankCache.from_proto(c) for c in msg.shared_caches),
+            msg.shared_cache,
             msg.pair_store,
             msg.timeout_s,
             msg.local_control,

@@ -17,7 +17,7 @@ import torch
 from kv_transfer import KVReceiver, KVSender, TransferState
 from kv_transfer.layout import as_bytes, gather_tokens, slot_mapping
 from kv_transfer.pairs import backend_for
-from kv_transfer.shm import create_shared_cache, listing
+from kv_transfer.shm import create_shared_cache
 from kv_transfer.ticket import KVLayout, KVTicket
 from tandem.bench.transfer_config import TRANSFER_TIMEOUT_S, TransferBenchConfig
 
@@ -69,8 +69,8 @@ class ChannelReceiver:
                 for _ in range(layout.num_layers)
             ]
         )
-        shared = listing(caches, self.shm.locator) if self.shm is not None else ()
-        self.receiver = KVReceiver(caches, _FINGERPRINT, shared_caches=shared)
+        shared = self.shm.locator if self.shm is not None else ""
+        self.receiver = KVReceiver(caches, _FINGERPRINT, shared_cache=shared)
         self.blocks = block_order(num_blocks, config.seed + 1)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.conn: socket.socket | None = None

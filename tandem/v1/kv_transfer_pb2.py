@@ -25,51 +25,49 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import api_pb2 as tandem_dot_v1_dot_api__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xce\x02\n\x08KVTicket\x12\x13\n\x0brequest_key\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0f\n\x07host_id\x18\x07 \x01(\t\x12+\n\rshared_caches\x18\x0c \x03(\x0b\x32\x14.tandem.v1.RankCache\x12\x12\n\npair_store\x18\t \x01(\t\x12\x11\n\ttimeout_s\x18\n \x01(\x01\x12\x15\n\rlocal_control\x18\x0b \x01(\t\x12$\n\x05ranks\x18\r \x03(\x0b\x32\x15.tandem.v1.DecodeRankJ\x04\x08\x08\x10\tR\x0cshared_cache\"\x86\x01\n\nDecodeRank\x12\x12\n\nfirst_head\x18\x01 \x01(\r\x12\x11\n\tnum_heads\x18\x02 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x12\n\npair_store\x18\x04 \x01(\t\x12\x15\n\rlocal_control\x18\x05 \x01(\t\x12\x14\n\x0cshared_cache\x18\x06 \x01(\t\"C\n\tRankCache\x12\x0f\n\x07locator\x18\x01 \x01(\t\x12\x12\n\nfirst_head\x18\x02 \x01(\r\x12\x11\n\tnum_heads\x18\x03 \x01(\r\"\xc8\x01\n\x0c\x43udaIpcCache\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\xed\x01\n\x0eTransferHeader\x12\x13\n\x0brequest_key\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12(\n\ndata_plane\x18\x05 \x01(\x0e\x32\x14.tandem.v1.DataPlane\x12\x0f\n\x07pair_id\x18\x06 \x01(\t\x12\x10\n\x08tag_base\x18\x07 \x01(\x04\x12\x12\n\nfirst_head\x18\x08 \x01(\r\x12\x11\n\tnum_heads\x18\t \x01(\r\"M\n\nLayerChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nnum_layers\x18\x04 \x01(\r\"\x81\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x08logprobs\x18\x06 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprobJ\x04\x08\x02\x10\x06\"G\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xa9\x01\n\x07Trailer\x12*\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstToken\x12&\n\x06\x65xtras\x18\x02 \x03(\x0b\x32\x16.tandem.v1.NamedTensor\x12\x18\n\x10\x66irst_token_unix\x18\x03 \x01(\x01\x12\x30\n\x11\x66ork_first_tokens\x18\x04 \x03(\x0b\x32\x15.tandem.v1.FirstToken\"\x0b\n\tKeepAlive\"\xb8\x01\n\x07KVChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TransferHeaderH\x00\x12&\n\x05layer\x18\x02 \x01(\x0b\x32\x15.tandem.v1.LayerChunkH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.tandem.v1.TrailerH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.tandem.v1.KeepAliveH\x00\x42\x06\n\x04part\"\xa6\x01\n\tPushReply\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.tandem.v1.PushReply.Kind\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x13\n\x0bremaining_s\x18\x03 \x01(\x01\"C\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\r\n\tCANCELLED\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\"F\n\x0fOpenPairRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x0f\n\rOpenPairReply\"#\n\x10\x43losePairRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\"\x10\n\x0e\x43losePairReply*e\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_PLANE_GRPC\x10\x01\x12\x13\n\x0f\x44\x41TA_PLANE_PAIR\x10\x02\x12\x12\n\x0e\x44\x41TA_PLANE_SHM\x10\x03\x32\xc9\x01\n\nKVTransfer\x12\x34\n\x04Push\x12\x12.tandem.v1.KVChunk\x1a\x14.tandem.v1.PushReply(\x01\x30\x01\x12@\n\x08OpenPair\x12\x1a.tandem.v1.OpenPairRequest\x1a\x18.tandem.v1.OpenPairReply\x12\x43\n\tClosePair\x12\x1b.tandem.v1.ClosePairRequest\x1a\x19.tandem.v1.ClosePairReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btandem/v1/kv_transfer.proto\x12\ttandem.v1\x1a\x13tandem/v1/api.proto\"i\n\x08KVLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xa9\x02\n\x08KVTicket\x12\x13\n\x0brequest_key\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12#\n\x06layout\x18\x04 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x0f\n\x07host_id\x18\x07 \x01(\t\x12\x14\n\x0cshared_cache\x18\x08 \x01(\t\x12\x12\n\npair_store\x18\t \x01(\t\x12\x11\n\ttimeout_s\x18\n \x01(\x01\x12\x15\n\rlocal_control\x18\x0b \x01(\t\x12$\n\x05ranks\x18\r \x03(\x0b\x32\x15.tandem.v1.DecodeRankJ\x04\x08\x0c\x10\r\"\x86\x01\n\nDecodeRank\x12\x12\n\nfirst_head\x18\x01 \x01(\r\x12\x11\n\tnum_heads\x18\x02 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12\x12\n\npair_store\x18\x04 \x01(\t\x12\x15\n\rlocal_control\x18\x05 \x01(\t\x12\x14\n\x0cshared_cache\x18\x06 \x01(\t\"\xc8\x01\n\x0c\x43udaIpcCache\x12\x13\n\x0b\x64\x65vice_uuid\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"\xed\x01\n\x0eTransferHeader\x12\x13\n\x0brequest_key\x18\x01 \x01(\t\x12#\n\x06layout\x18\x02 \x01(\x0b\x32\x13.tandem.v1.KVLayout\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12(\n\ndata_plane\x18\x05 \x01(\x0e\x32\x14.tandem.v1.DataPlane\x12\x0f\n\x07pair_id\x18\x06 \x01(\t\x12\x10\n\x08tag_base\x18\x07 \x01(\x04\x12\x12\n\nfirst_head\x18\x08 \x01(\r\x12\x11\n\tnum_heads\x18\t \x01(\r\"M\n\nLayerChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x12\n\nnum_layers\x18\x04 \x01(\r\"\x81\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12)\n\x08logprobs\x18\x06 \x01(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x17.tandem.v1.TokenLogprobJ\x04\x08\x02\x10\x06\"G\n\x0bNamedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x04\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xa9\x01\n\x07Trailer\x12*\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x15.tandem.v1.FirstToken\x12&\n\x06\x65xtras\x18\x02 \x03(\x0b\x32\x16.tandem.v1.NamedTensor\x12\x18\n\x10\x66irst_token_unix\x18\x03 \x01(\x01\x12\x30\n\x11\x66ork_first_tokens\x18\x04 \x03(\x0b\x32\x15.tandem.v1.FirstToken\"\x0b\n\tKeepAlive\"\xb8\x01\n\x07KVChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.tandem.v1.TransferHeaderH\x00\x12&\n\x05layer\x18\x02 \x01(\x0b\x32\x15.tandem.v1.LayerChunkH\x00\x12%\n\x07trailer\x18\x03 \x01(\x0b\x32\x12.tandem.v1.TrailerH\x00\x12)\n\tkeepalive\x18\x04 \x01(\x0b\x32\x14.tandem.v1.KeepAliveH\x00\x42\x06\n\x04part\"\xa6\x01\n\tPushReply\x12\'\n\x04kind\x18\x01 \x01(\x0e\x32\x19.tandem.v1.PushReply.Kind\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x13\n\x0bremaining_s\x18\x03 \x01(\x01\"C\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x41\x43\x43\x45PTED\x10\x01\x12\r\n\tCANCELLED\x10\x02\x12\x08\n\x04\x44ONE\x10\x03\"F\n\x0fOpenPairRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\"\x0f\n\rOpenPairReply\"#\n\x10\x43losePairRequest\x12\x0f\n\x07pair_id\x18\x01 \x01(\t\"\x10\n\x0e\x43losePairReply*e\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x41TA_PLANE_GRPC\x10\x01\x12\x13\n\x0f\x44\x41TA_PLANE_PAIR\x10\x02\x12\x12\n\x0e\x44\x41TA_PLANE_SHM\x10\x03\x32\xc9\x01\n\nKVTransfer\x12\x34\n\x04Push\x12\x12.tandem.v1.KVChunk\x1a\x14.tandem.v1.PushReply(\x01\x30\x01\x12@\n\x08OpenPair\x12\x1a.tandem.v1.OpenPairRequest\x1a\x18.tandem.v1.OpenPairReply\x12\x43\n\tClosePair\x12\x1b.tandem.v1.ClosePairRequest\x1a\x19.tandem.v1.ClosePairReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATAPLANE']._serialized_start=2125
-  _globals['_DATAPLANE']._serialized_end=2226
+  _globals['_DATAPLANE']._serialized_start=2019
+  _globals['_DATAPLANE']._serialized_end=2120
   _globals['_KVLAYOUT']._serialized_start=63
   _globals['_KVLAYOUT']._serialized_end=168
   _globals['_KVTICKET']._serialized_start=171
-  _globals['_KVTICKET']._serialized_end=505
-  _globals['_DECODERANK']._serialized_start=508
-  _globals['_DECODERANK']._serialized_end=642
-  _globals['_RANKCACHE']._serialized_start=644
-  _globals['_RANKCACHE']._serialized_end=711
-  _globals['_CUDAIPCCACHE']._serialized_start=714
-  _globals['_CUDAIPCCACHE']._serialized_end=914
-  _globals['_TRANSFERHEADER']._serialized_start=917
-  _globals['_TRANSFERHEADER']._serialized_end=1154
-  _globals['_LAYERCHUNK']._serialized_start=1156
-  _globals['_LAYERCHUNK']._serialized_end=1233
-  _globals['_FIRSTTOKEN']._serialized_start=1236
-  _globals['_FIRSTTOKEN']._serialized_end=1365
-  _globals['_NAMEDTENSOR']._serialized_start=1367
-  _globals['_NAMEDTENSOR']._serialized_end=1438
-  _globals['_TRAILER']._serialized_start=1441
-  _globals['_TRAILER']._serialized_end=1610
-  _globals['_KEEPALIVE']._serialized_start=1612
-  _globals['_KEEPALIVE']._serialized_end=1623
-  _globals['_KVCHUNK']._serialized_start=1626
-  _globals['_KVCHUNK']._serialized_end=1810
-  _globals['_PUSHREPLY']._serialized_start=1813
-  _globals['_PUSHREPLY']._serialized_end=1979
-  _globals['_PUSHREPLY_KIND']._serialized_start=1912
-  _globals['_PUSHREPLY_KIND']._serialized_end=1979
-  _globals['_OPENPAIRREQUEST']._serialized_start=1981
-  _globals['_OPENPAIRREQUEST']._serialized_end=2051
-  _globals['_OPENPAIRREPLY']._serialized_start=2053
-  _globals['_OPENPAIRREPLY']._serialized_end=2068
-  _globals['_CLOSEPAIRREQUEST']._serialized_start=2070
-  _globals['_CLOSEPAIRREQUEST']._serialized_end=2105
-  _globals['_CLOSEPAIRREPLY']._serialized_start=2107
-  _globals['_CLOSEPAIRREPLY']._serialized_end=2123
-  _globals['_KVTRANSFER']._serialized_start=2229
-  _globals['_KVTRANSFER']._serialized_end=2430
+  _globals['_KVTICKET']._serialized_end=468
+  _globals['_DECODERANK']._serialized_start=471
+  _globals['_DECODERANK']._serialized_end=605
+  _globals['_CUDAIPCCACHE']._serialized_start=608
+  _globals['_CUDAIPCCACHE']._serialized_end=808
+  _globals['_TRANSFERHEADER']._serialized_start=811
+  _globals['_TRANSFERHEADER']._serialized_end=1048
+  _globals['_LAYERCHUNK']._serialized_start=1050
+  _globals['_LAYERCHUNK']._serialized_end=1127
+  _globals['_FIRSTTOKEN']._serialized_start=1130
+  _globals['_FIRSTTOKEN']._serialized_end=1259
+  _globals['_NAMEDTENSOR']._serialized_start=1261
+  _globals['_NAMEDTENSOR']._serialized_end=1332
+  _globals['_TRAILER']._serialized_start=1335
+  _globals['_TRAILER']._serialized_end=1504
+  _globals['_KEEPALIVE']._serialized_start=1506
+  _globals['_KEEPALIVE']._serialized_end=1517
+  _globals['_KVCHUNK']._serialized_start=1520
+  _globals['_KVCHUNK']._serialized_end=1704
+  _globals['_PUSHREPLY']._serialized_start=1707
+  _globals['_PUSHREPLY']._serialized_end=1873
+  _globals['_PUSHREPLY_KIND']._serialized_start=1806
+  _globals['_PUSHREPLY_KIND']._serialized_end=1873
+  _globals['_OPENPAIRREQUEST']._serialized_start=1875
+  _globals['_OPENPAIRREQUEST']._serialized_end=1945
+  _globals['_OPENPAIRREPLY']._serialized_start=1947
+  _globals['_OPENPAIRREPLY']._serialized_end=1962
+  _globals['_CLOSEPAIRREQUEST']._serialized_start=1964
+  _globals['_CLOSEPAIRREQUEST']._serialized_end=1999
+  _globals['_CLOSEPAIRREPLY']._serialized_start=2001
+  _globals['_CLOSEPAIRREPLY']._serialized_end=2017
+  _globals['_KVTRANSFER']._serialized_start=2123
+  _globals['_KVTRANSFER']._serialized_end=2324
 # @@protoc_insertion_point(module_scope)

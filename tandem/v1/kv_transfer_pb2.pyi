@@ -34,7 +34,7 @@ class KVLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTicket(_message.Message):
-    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_caches", "pair_store", "timeout_s", "local_control", "ranks")
+    __slots__ = ("request_key", "endpoint", "block_ids", "layout", "model_fingerprint", "num_tokens", "host_id", "shared_cache", "pair_store", "timeout_s", "local_control", "ranks")
     REQUEST_KEY_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,7 +42,7 @@ class KVTicket(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
-    SHARED_CACHES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CACHE_FIELD_NUMBER: _ClassVar[int]
     PAIR_STORE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_CONTROL_FIELD_NUMBER: _ClassVar[int]
@@ -54,12 +54,12 @@ class KVTicket(_message.Message):
     model_fingerprint: str
     num_tokens: int
     host_id: str
-    shared_caches: _containers.RepeatedCompositeFieldContainer[RankCache]
+    shared_cache: str
     pair_store: str
     timeout_s: float
     local_control: str
     ranks: _containers.RepeatedCompositeFieldContainer[DecodeRank]
-    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_caches: _Optional[_Iterable[_Union[RankCache, _Mapping]]] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ..., local_control: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[DecodeRank, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_key: _Optional[str] = ..., endpoint: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., host_id: _Optional[str] = ..., shared_cache: _Optional[str] = ..., pair_store: _Optional[str] = ..., timeout_s: _Optional[float] = ..., local_control: _Optional[str] = ..., ranks: _Optional[_Iterable[_Union[DecodeRank, _Mapping]]] = ...) -> None: ...
 
 class DecodeRank(_message.Message):
     __slots__ = ("first_head", "num_heads", "endpoint", "pair_store", "local_control", "shared_cache")
@@ -76,16 +76,6 @@ class DecodeRank(_message.Message):
     local_control: str
     shared_cache: str
     def __init__(self, first_head: _Optional[int] = ..., num_heads: _Optional[int] = ..., endpoint: _Optional[str] = ..., pair_store: _Optional[str] = ..., local_control: _Optional[str] = ..., shared_cache: _Optional[str] = ...) -> None: ...
-
-class RankCache(_message.Message):
-    __slots__ = ("locator", "first_head", "num_heads")
-    LOCATOR_FIELD_NUMBER: _ClassVar[int]
-    FIRST_HEAD_FIELD_NUMBER: _ClassVar[int]
-    NUM_HEADS_FIELD_NUMBER: _ClassVar[int]
-    locator: str
-    first_head: int
-    num_heads: int
-    def __init__(self, locator: _Optional[str] = ..., first_head: _Optional[int] = ..., num_heads: _Optional[int] = ...) -> None: ...
 
 class CudaIpcCache(_message.Message):
     __slots__ = ("device_uuid", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

@@ -40,7 +40,7 @@ from kv_transfer import Arrival, KVLayout, KVReceiver, KVSender, KVTicket, Outbo
 from kv_transfer.fake import FaultyPlane, at_layer
 from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.planes import DataPlane
-from kv_transfer.shm import SharedCache, create_shared_cache, listing
+from kv_transfer.shm import SharedCache, create_shared_cache
 from kv_transfer.state import FailureCause, TransferError, TransferState
 from prefill_worker.prefill_core import PrefillResult, PrefillWorker
 from tandem.config import EngineConfig, TransferConfig
@@ -547,8 +547,8 @@ class _Host:
                 torch.zeros(shape, dtype=layout.torch_dtype, device=DEVICE)
                 for _ in range(layout.num_layers)
             ]
-        shared = listing(kv_caches, cache.locator) if cache is not None else ()
-        receiver = KVReceiver(kv_caches, "bare-model", shared_caches=shared)
+        shared = cache.locator if cache is not None else ""
+        receiver = KVReceiver(kv_caches, "bare-model", shared_cache=shared)
         self.objects[name] = _Bare(receiver, kv_caches, cache)
         return receiver.endpoint
 

@@ -18,7 +18,6 @@ import torch
 
 from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, TransferState, shm
 from kv_transfer.cuda_ipc import LOCATOR_PREFIX, CudaSharedKVCache, is_cuda_locator
-from kv_transfer.ticket import RankCache
 from tandem.v1 import kv_transfer_pb2 as pb
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="bfloat16")
@@ -44,9 +43,7 @@ def test_an_unopenable_cuda_cache_falls_back_or_fails_setup() -> None:
         outcomes = {}
         for channel, sender in senders.items():
             ticket = receiver.expect(channel, [0, 1], 8, timeout_s=30.0)
-            transfer = sender.begin(
-                dataclasses.replace(ticket, shared_caches=(RankCache(NO_GPU, 0, 2),)), src
-            )
+            transfer = sender.begin(dataclasses.replace(ticket, shared_cache=NO_GPU), src)
             transfer.set_source([4, 5])
             transfer.all_layers_ready()
             transfer.finish(1)

@@ -16,7 +16,7 @@ from test_transfer_workers import MAX_TOKENS, disaggregated, prompts_of
 
 from kv_transfer import KVLayout, KVReceiver, KVSender, TransferState
 from kv_transfer.receiver import Arrival
-from kv_transfer.shm import SharedKVCache, listing
+from kv_transfer.shm import SharedKVCache
 from tandem.engine.kv_quant import SCALE_BYTES, decode, encode
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.timeout(120)]
@@ -66,8 +66,7 @@ def test_fp8_kv_arrives_byte_exact_with_its_scales(channel: str) -> None:
     src = [encode(torch.randn(2, 8, 4, 2, 16, generator=g), layout.torch_dtype) for _ in range(2)]
     shm = SharedKVCache.create(layout, 8) if channel == "shm" else None
     dst = shm.kv_caches if shm is not None else [torch.zeros_like(c) for c in src]
-    shared = listing(dst, shm.locator) if shm is not None else ()
-    receiver = KVReceiver(dst, "fp", shared_caches=shared)
+    receiver = KVReceiver(dst, "fp", shared_cache=shm.locator if shm is not None else "")
     sender = KVSender("fp", channel=channel)
     arrivals: list[Arrival] = []
     try:

@@ -32,7 +32,7 @@ from kv_transfer.local_control import (
     recv_frame,
     send_frame,
 )
-from kv_transfer.shm import SharedKVCache, listing
+from kv_transfer.shm import SharedKVCache
 from tandem.v1 import kv_transfer_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +45,7 @@ SRC_BLOCKS, DST_BLOCKS, N = [5, 1, 7, 2], [3, 0, 6, 4], 14
 @pytest.fixture
 def receiver() -> Iterator[KVReceiver]:
     cache = SharedKVCache.create(LAYOUT, num_blocks=8)
-    rx = KVReceiver(cache.kv_caches, "model", shared_caches=listing(cache.kv_caches, cache.locator))
+    rx = KVReceiver(cache.kv_caches, "model", shared_cache=cache.locator)
     yield rx
     rx.close()
     cache.close()
@@ -292,9 +292,8 @@ def test_aborting_a_finished_transfer_leaves_its_connection_to_the_next(
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_without_the_socket_the_push_runs_on_grpc(side: str, source: list[torch.Tensor]) -> None:
     cache = SharedKVCache.create(LAYOUT, num_blocks=8)
-    shared = listing(cache.kv_caches, cache.locator)
     rx = KVReceiver(
-        cache.kv_caches, "model", shared_caches=shared, local_control=side != "receiver"
+        cache.kv_caches, "model", shared_cache=cache.locator, local_control=side != "receiver"
     )
     sender = KVSender("model", local_control=side != "sender")
     try:

@@ -103,7 +103,7 @@ def _transfer(
     ticket = ticket_future.result(WAIT_S)
     assert isinstance(ticket, KVTicket)
     tp = decode.engine.config.model.tensor_parallel_size
-    assert len(ticket.ranks or ticket.shared_caches) == tp
+    assert len(ticket.decode_ranks()) == tp
     result = prefill.submit(rid, prompt, GREEDY, ticket)
     try:
         return stream, result.result(WAIT_S)

@@ -101,8 +101,7 @@ def test_receiver_killed_mid_transfer(
     ticket = begin(prefill_proc, decode)
     paused_on(prefill_proc, channel)
     decode.kill()
-    for cache in ticket_of(ticket).shared_caches:  # a killed decode worker leaves its files
-        unlink_shm(cache.locator)
+    unlink_shm(ticket_of(ticket).shared_cache)  # a killed decode worker leaves its cache file
     killed = time.monotonic()
     prefill_proc.resume()
 

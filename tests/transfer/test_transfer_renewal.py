@@ -16,7 +16,7 @@ from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, TransferSt
 from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.receiver import Arrival
 from kv_transfer.sender import OutboundTransfer
-from kv_transfer.shm import SharedKVCache, listing
+from kv_transfer.shm import SharedKVCache
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,8 +29,7 @@ TIMEOUT_S = 0.4  # the ticket's: each wait below is several of these
 @pytest.fixture(params=["grpc", "shm"])
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[KVSender, KVReceiver]]:
     cache = SharedKVCache.create(LAYOUT, num_blocks=8)
-    shared = listing(cache.kv_caches, cache.locator)
-    receiver = KVReceiver(cache.kv_caches, "model", shared_caches=shared, enable_pairs=False)
+    receiver = KVReceiver(cache.kv_caches, "model", shared_cache=cache.locator, enable_pairs=False)
     sender = KVSender("model", channel=request.param)
     yield sender, receiver
     sender.close()
