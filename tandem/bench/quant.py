@@ -29,7 +29,11 @@ only (a single stream). Skipped, saying how to install it, when `llama_cpp` does
 Kernel floor per format: the engine's own linear layers (qkv, o, gate_up, down per decoder
 layer, then the LM head over the whole vocabulary as `compute_logits` runs it: the float table
 for fp32 / bf16, the int8 copy for int8 / int4) alone at batch 1, back to back (`tandem bench
-engine`'s `kernel_steps_per_s`), in steps/s.
+engine`'s `kernel_steps_per_s`), in steps/s. The layers are called as the decode plan calls them
+(`RowCall`: each product bound to its route once), not through their modules' `forward`, whose
+route lookup costs a few microseconds a call: through the modules, the int4 floor of SmolLM2
+read 193-197 steps/s against 233-249 bound (2 threads, Zen 4, 7 December), a floor 20% slower
+than the products the engine runs, which flattered the engine's fraction of it.
 
 Memory roofline per format: the machine's read bandwidth at the engine's thread count (`t.sum()`
 over a float32 tensor of `bandwidth_mib` MiB, far beyond the last-level cache; best of 5, each
@@ -98,6 +102,7 @@ from tandem.config import QUANT_METHODS
 from tandem.engine import LLM, routes
 from tandem.engine.dtypes import KV_TORCH_DTYPES
 from tandem.engine.kv_quant import kv_bytes_per_token
+from tandem.engine.models.linear import RowKernel
 from tandem.engine.models.llama import DecoderLayer, LlamaForCausalLM
 from tandem.engine.models.loader import load_tokenizer
 from tandem.model_config import load_config
@@ -285,12 +290,28 @@ class LogitsLayer:
         return self.model.compute_logits(x)
 
 
+@dataclass(frozen=True)
+class RowCall:
+    """A linear layer's one-row product as the decode plan calls it: the route bound once
+    (`row_kernel`), not looked up through the module's `forward` at every call."""
+
+    in_features: int
+    call: RowKernel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.call(x)
+
+
 def engine_linear_layers(model: LlamaForCausalLM) -> list[LinearLayer]:
-    """The linear layers a batch-1 decode step of the engine runs, in order, then its LM head."""
+    """The linear layers a batch-1 decode step of the engine runs, in order, as its decode plan
+    calls them (the module itself where a layer has no direct call), then its LM head."""
+    dtype = model.embed_tokens.weight.dtype
     layers: list[LinearLayer] = []
     for layer in cast("list[DecoderLayer]", list(model.layers)):
         attn, mlp = layer.self_attn, layer.mlp
-        layers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            call = linear.row_kernel(dtype, 1)
+            layers.append(linear if call is None else RowCall(linear.in_features, call))
     layers.append(LogitsLayer(model))
     return layers
 
