@@ -149,6 +149,7 @@ class DecodeWorker(EngineLoop):
         self._streams: dict[str, OutputStream] = {}  # by choice id, until the choice ends
         self._requests: dict[str, OutputStream] = {}  # by request id, until every choice ends
         self._tickets: dict[str, Future[KVTicket | None]] = {}  # waiting for their blocks
+        self._reserving: set[str] = set()  # of those, given blocks: their ranks reserving
         self._cancelling: set[str] = set()
 
     # -- any thread ---------------------------------------------------------------------------
@@ -192,6 +193,7 @@ class DecodeWorker(EngineLoop):
     def before_step(self) -> None:
         for arrival in self.arrivals.poll():
             self._arrived(arrival)
+        self._issue_tickets()  # the ranks answer between steps, and while the loop idles
 
     def after_step(self, deltas: list[RequestDelta]) -> None:
         self._issue_tickets()
@@ -199,15 +201,25 @@ class DecodeWorker(EngineLoop):
             self._emit(d.request, d.new_token_ids, d.logprobs, d.prompt_logprobs)
 
     def _issue_tickets(self) -> None:
-        for rid in list(self._tickets):
+        """Reserve the KV of requests given blocks since (on every rank), hand out the tickets
+        of those reserved."""
+        for rid in self._tickets.keys() - self._reserving:
             req = self.engine.scheduler.requests.get(rid)
             if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
             blocks = self.engine.kv_cache.block_table(rid)
-            ticket = self.receiver.expect(
-                rid, blocks, req.num_prompt_tokens, self.transfer.timeout_s
-            )
-            self._tickets.pop(rid).set_result(ticket)
+            self.receiver.reserve(rid, blocks, req.num_prompt_tokens, self.transfer.timeout_s)
+            self._reserving.add(rid)
+        for rid, ticket in self.receiver.reserved():
+            self._reserving.discard(rid)
+            future = self._tickets.pop(rid, None)
+            if future is None:  # cancelled meanwhile
+                continue
+            if isinstance(ticket, Exception):  # this request's alone: no sender has its ticket
+                future.set_exception(ticket)
+                self._finish_aborted(rid)
+            else:
+                future.set_result(ticket)
 
     def _arrived(self, a: Arrival) -> None:
         rid = a.request_key
@@ -287,11 +299,14 @@ class DecodeWorker(EngineLoop):
         req = self.engine.scheduler.requests.get(request_id)
         if req is None:
             return
-        if request_id in self.engine.scheduler.parked:
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is None and request_id in self.engine.scheduler.parked:
             self._cancelling.add(request_id)  # freed once nothing can write into its blocks
             self.receiver.cancel(request_id)
             return
-        ticket = self._tickets.pop(request_id, None)
+        if request_id in self._reserving:  # its ticket is not out: nothing writes there
+            self._reserving.discard(request_id)
+            self.receiver.cancel(request_id)
         if ticket is not None:
             ticket.set_exception(TransferError(FailureCause.CANCELLED, "cancelled"))
         self._finish_aborted(request_id)
@@ -319,6 +334,7 @@ class DecodeWorker(EngineLoop):
         for stream in self._requests.values():
             stream.put(error)
         self._tickets.clear()
+        self._reserving.clear()
         self._streams.clear()
         self._requests.clear()
         self._cancelling.clear()

@@ -44,8 +44,8 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             ticket = ticket_future.result(timeout=TICKET_WAIT_S)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TransferError as e:
-            context.abort(grpc.StatusCode.CANCELLED, str(e))
+        except TransferError as e:  # cancelled, or a rank could not reserve
+            context.abort(request_status(e.cause), str(e))
         except FutureTimeout:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no KV blocks freed up in time")
         yield wpb.DecodeResponse(ticket=ticket.to_proto() if ticket else kvpb.KVTicket())

@@ -7,9 +7,12 @@ own gRPC endpoint, pair store and host-local socket, and on the CPU its cache mo
 list every rank (`KVTicket.ranks`), and a prefill worker's ranks send each decode rank its
 heads, one stream per rank pair that share heads (kv_transfer/fanout.py).
 
-`RankReceivers` stands where the worker's receiver stood (`expect`, `cancel`, `poll`):
-- expect: every rank reserves the request's blocks (the same block ids: the block table is rank
-  0's) before rank 0 hands the ticket out, so no stream finds its rank unprepared;
+`RankReceivers` stands where the worker's receiver stood (`reserve` / `reserved`, `cancel`,
+`poll`), and never waits on the ranks (the decode loop calls it between steps):
+- reserve: every rank reserves the request's blocks (the same block ids: the block table is rank
+  0's) before rank 0 hands the ticket out (`reserved`, a later step), so no stream finds its rank
+  unprepared; a rank that refuses, dies or does not answer within `EXPECT_TIMEOUT_S` fails that
+  request alone;
 - poll: a request arrives once rank 0's reservation is done (its stream from prefill rank 0
   carries the trailer) and every rank has acknowledged its own, done or failed with a cause.
   The first failure on any rank cancels the reservation on every rank, and the request is
@@ -95,6 +98,17 @@ def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
 
 
 @dataclass
+class _Reserving:
+    """A request whose ranks were told to reserve its blocks, until every rank has answered."""
+
+    block_ids: list[int]
+    num_tokens: int
+    timeout_s: float
+    deadline: float  # monotonic: the ranks' answers are late after it
+    answers: dict[int, str | None] = field(default_factory=dict)  # rank: problem, None if done
+
+
+@dataclass
 class _Pending:
     """A request's reservations on every rank, until each has ended."""
 
@@ -113,8 +127,9 @@ class RankReceivers:
         self.targets = (receiver.target(), *(link.started[0] for link in links))
         self.files = [link.started[1] for link in links if link.started[1]]
         self.rank_bytes = [0] * (1 + len(links))  # bytes each rank received, over its life
-        self._pending: dict[str, _Pending] = {}
-        self._expected: dict[tuple[str, int], str | None] = {}
+        self._reserving: dict[str, _Reserving] = {}  # orders out, answers coming in
+        self._ready: list[tuple[str, KVTicket | Exception]] = []  # for `reserved`
+        self._pending: dict[str, _Pending] = {}  # tickets out, until every rank has reported
 
     @property
     def endpoint(self) -> str:
@@ -123,41 +138,65 @@ class RankReceivers:
     def __len__(self) -> int:
         return len(self.receiver) if not self.links else len(self._pending)
 
-    def expect(
+    def reserve(
         self, request_key: str, block_ids: list[int], num_tokens: int, timeout_s: float = 30.0
-    ) -> KVTicket:
-        """Reserve on every rank, then hand out the ticket that lists them all."""
+    ) -> None:
+        """Start reserving the request's blocks on every rank: `reserved` gives its ticket once
+        they all have (at once at one rank)."""
         if not self.links:
-            return self.receiver.expect(request_key, block_ids, num_tokens, timeout_s)
+            try:
+                ticket = self.receiver.expect(request_key, block_ids, num_tokens, timeout_s)
+                self._ready.append((request_key, ticket))
+            except ValueError as e:
+                self._ready.append((request_key, e))
+            return
         for link in self.links:
             link.orders.put(("expect", request_key, block_ids, num_tokens, timeout_s))
-        problems = [self._await_expected(request_key, link) for link in self.links]
-        problem = next((p for p in problems if p is not None), None)
-        try:
-            ticket = self.receiver.expect(
-                request_key, block_ids, num_tokens, timeout_s, self.targets
-            )
-        except ValueError as e:
-            problem = problem or str(e)
-        if problem is not None:
-            self._order("cancel", request_key)
-            raise ValueError(problem)
-        self._pending[request_key] = _Pending()
-        return ticket
-
-    def _await_expected(self, key: str, link: RankLink) -> str | None:
         deadline = time.monotonic() + EXPECT_TIMEOUT_S
-        while (key, link.rank) not in self._expected:
-            report = link.reports.get(max(deadline - time.monotonic(), 0.0))
-            if report is None:
-                raise RuntimeError(f"decode rank {link.rank} did not reserve {key!r} in time")
-            self._take(link.rank, report)
-        return self._expected.pop((key, link.rank))
+        self._reserving[request_key] = _Reserving(block_ids, num_tokens, timeout_s, deadline)
+
+    def reserved(self) -> list[tuple[str, KVTicket | Exception]]:
+        """Requests every rank has answered for since `reserve`, each once: the ticket that
+        lists them all, or why there is none (ValueError for the request, TransferError for a
+        rank that failed; the ranks' reservations are then cancelled)."""
+        self._drain()
+        ready, self._ready = self._ready, []
+        now = time.monotonic()
+        for key, r in list(self._reserving.items()):
+            problem = next((p for p in r.answers.values() if p is not None), None)
+            waiting = [link for link in self.links if link.rank not in r.answers]
+            dead = [link.rank for link in waiting if not link.alive()]
+            error: Exception | None = ValueError(problem) if problem is not None else None
+            if error is None and dead:
+                error = TransferError(FailureCause.PEER_LOST, f"decode rank {dead[0]} died")
+            elif error is None and waiting:
+                if now < r.deadline:
+                    continue
+                error = TransferError(
+                    FailureCause.TIMEOUT,
+                    f"decode rank {waiting[0].rank} did not reserve {key!r} in time",
+                )
+            del self._reserving[key]
+            if error is None:
+                try:
+                    ticket = self.receiver.expect(
+                        key, r.block_ids, r.num_tokens, r.timeout_s, self.targets
+                    )
+                    self._pending[key] = _Pending()
+                    ready.append((key, ticket))
+                    continue
+                except ValueError as e:
+                    error = e
+            self._order("cancel", key)
+            ready.append((key, error))
+        return ready
 
     def _take(self, rank: int, report: tuple[Any, ...]) -> None:
         kind, key, *args = report
         if kind == "expected":
-            self._expected[(key, rank)] = args[0]
+            reserving = self._reserving.get(key)
+            if reserving is not None:  # else cancelled since
+                reserving.answers[rank] = args[0]
             return
         error, nbytes = args
         pending = self._pending.get(key)
@@ -166,11 +205,19 @@ class RankReceivers:
         if error is None:
             self.rank_bytes[rank] += nbytes
 
+    def _drain(self) -> None:
+        for link in self.links:
+            while (report := link.reports.get()) is not None:
+                self._take(link.rank, report)
+
     def _order(self, kind: str, key: str) -> None:
         for link in self.links:
             link.orders.put((kind, key))
 
     def cancel(self, request_key: str) -> None:
+        if self._reserving.pop(request_key, None) is not None:  # no ticket out: nothing writes
+            self._order("cancel", request_key)
+            return
         self.receiver.cancel(request_key)
         pending = self._pending.get(request_key)
         if pending is not None and not pending.cancelled:
@@ -186,9 +233,8 @@ class RankReceivers:
         for a in arrivals:
             if a.request_key in self._pending:
                 self._pending[a.request_key].own = a
+        self._drain()
         for link in self.links:
-            while (report := link.reports.get()) is not None:
-                self._take(link.rank, report)
             if not link.alive():  # nothing writes there any more, and no report comes
                 lost = TransferError(FailureCause.PEER_LOST, f"decode rank {link.rank} died")
                 for p in self._pending.values():
