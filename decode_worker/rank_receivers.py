@@ -161,20 +161,23 @@ class RankReceivers:
         rank that failed; the ranks' reservations are then cancelled)."""
         self._drain()
         ready, self._ready = self._ready, []
+        if not self._reserving:
+            return ready
         now = time.monotonic()
+        dead = {link.rank for link in self.links if not link.alive()}
         for key, r in list(self._reserving.items()):
             problem = next((p for p in r.answers.values() if p is not None), None)
-            waiting = [link for link in self.links if link.rank not in r.answers]
-            dead = [link.rank for link in waiting if not link.alive()]
+            waiting = [link.rank for link in self.links if link.rank not in r.answers]
+            lost = [rank for rank in waiting if rank in dead]
             error: Exception | None = ValueError(problem) if problem is not None else None
-            if error is None and dead:
-                error = TransferError(FailureCause.PEER_LOST, f"decode rank {dead[0]} died")
+            if error is None and lost:
+                error = TransferError(FailureCause.PEER_LOST, f"decode rank {lost[0]} died")
             elif error is None and waiting:
                 if now < r.deadline:
                     continue
                 error = TransferError(
                     FailureCause.TIMEOUT,
-                    f"decode rank {waiting[0].rank} did not reserve {key!r} in time",
+                    f"decode rank {waiting[0]} did not reserve {key!r} in time",
                 )
             del self._reserving[key]
             if error is None:
