@@ -159,10 +159,10 @@ class RankReceivers:
         """Requests every rank has answered for since `reserve`, each once: the ticket that
         lists them all, or why there is none (ValueError for the request, TransferError for a
         rank that failed; the ranks' reservations are then cancelled)."""
-        self._drain()
         ready, self._ready = self._ready, []
-        if not self._reserving:
+        if not self._reserving:  # no store round trip per step for nothing
             return ready
+        self._drain()
         now = time.monotonic()
         dead = {link.rank for link in self.links if not link.alive()}
         for key, r in list(self._reserving.items()):
