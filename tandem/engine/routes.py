@@ -9,12 +9,12 @@ native kernels' ISA level, torch's build, the thread count, the layer's shape an
 no threshold tuned on one CPU holds on another. At engine load `bind` gives every layer shape
 class one route per row bucket (`ROW_BUCKETS`), from this machine's table: a JSON file under
 `$TANDEM_HOME/routes/` named by the machine's identity (CPU vendor, family, model, stepping and
-ISA flags, the native kernels' level, torch's version and its own kernels' level, the thread
-count). A shape class the table lacks
-is measured there and then, under a file lock, so the processes of a cluster on one machine
-all read one table, and disaggregated output cannot differ from offline output by route: each
-candidate is timed on the layer's own weights (median of at least 5 calls, after one to warm
-up), and replaces the default route only when at least 10% faster.
+ISA flags, the native kernels' level and build, torch's version and its own kernels' level, the
+thread count). A shape class the table lacks is measured there and then, under a file lock, so
+the processes of a cluster on one machine all read one table, and disaggregated output cannot
+differ from offline output by route: each candidate is timed on the layer's own weights (median
+of at least 5 calls, after one to warm up), and replaces the default route only when at least
+10% faster.
 
 Exactness restricts the candidates; it is not traded for speed. In a bfloat16 model, products of
 up to `INVARIANT_ROWS` rows (decode and speculative verification steps) take only routes whose
@@ -171,7 +171,8 @@ class Routed(Protocol):
 
 
 def machine_identity(num_threads: int | None = None) -> dict[str, str]:
-    """What a route table holds for: the CPU, the native kernels' level, torch, the threads."""
+    """What a route table holds for: the CPU, the native kernels (their level and build: changed
+    kernels are measured again), torch, the threads."""
     from tandem.engine import native
 
     fields: dict[str, str] = {}
@@ -187,6 +188,7 @@ def machine_identity(num_threads: int | None = None) -> dict[str, str]:
                 break  # the first CPU's fields
     fields["isa_flags"] = " ".join(f for f in ISA_FLAGS if f in flags)
     fields["native_level"] = native.level_in_use()
+    fields["native_build"] = native.build_dir().name  # named by a hash of the sources and flags
     fields["torch"] = torch.__version__
     fields["torch_cpu"] = torch.backends.cpu.get_cpu_capability()  # its kernels' level
     fields["threads"] = str(num_threads or torch.get_num_threads())

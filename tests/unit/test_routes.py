@@ -171,10 +171,19 @@ def test_the_table_is_measured_once_then_read(home: Path, monkeypatch: pytest.Mo
 
 
 def test_a_table_is_per_machine_identity(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU model, ISA level, torch version and thread count each name another table."""
+    """CPU model, ISA level, native build, torch version and thread count each name another
+    table."""
     base = routes.machine_identity(2)
     assert routes.table_path(base) == routes.table_path(routes.machine_identity(2))
-    for field in ("model", "native_level", "torch", "torch_cpu", "threads", "isa_flags"):
+    for field in (
+        "model",
+        "native_level",
+        "native_build",
+        "torch",
+        "torch_cpu",
+        "threads",
+        "isa_flags",
+    ):
         other = {**base, field: f"{base[field]} (another)"}
         assert routes.table_path(other) != routes.table_path(base), field
     # a file of another identity at this path (copied by hand) is not used

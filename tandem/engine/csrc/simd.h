@@ -129,16 +129,6 @@ inline IVec visible(int64_t start, int64_t end) {
   return lane < static_cast<int32_t>(end - start);
 }
 
-// Keeps v in a register over the code that follows (GCC would otherwise reload it from memory
-// at each use).
-inline void keep_in_register(Vec& v) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm("" : "+v"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#endif
-}
-
 // e^x lane by lane: e^x = 2^n e^r with n = round(x / ln 2), r in [-ln2/2, ln2/2], e^r by
 // Cephes' expf polynomial (about 1 ulp). x is clamped to [-87, 88.37]: below, e^-87 (~1e-38)
 // rather than 0; above, ~3.4e38, the largest float (2^n stays a normal float's exponent).
