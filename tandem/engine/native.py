@@ -148,6 +148,13 @@ def level_in_use() -> str:
     return level
 
 
+def build_in_use() -> str:
+    """The loaded library's build folder name (hashed from the sources and flags: other kernels,
+    another name), "none" where the library did not build."""
+    lib = library()
+    return Path(lib.__file__ or "").parent.name if lib is not None else "none"
+
+
 @functools.cache
 def library() -> ModuleType | None:
     """The built library, every level in it, or None (the build failed: logged once)."""

@@ -188,7 +188,7 @@ def machine_identity(num_threads: int | None = None) -> dict[str, str]:
                 break  # the first CPU's fields
     fields["isa_flags"] = " ".join(f for f in ISA_FLAGS if f in flags)
     fields["native_level"] = native.level_in_use()
-    fields["native_build"] = native.build_dir().name  # named by a hash of the sources and flags
+    fields["native_build"] = native.build_in_use()
     fields["torch"] = torch.__version__
     fields["torch_cpu"] = torch.backends.cpu.get_cpu_capability()  # its kernels' level
     fields["threads"] = str(num_threads or torch.get_num_threads())
