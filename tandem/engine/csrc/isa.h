@@ -69,9 +69,10 @@ struct Kernels {
   // RoPE of q's and k's heads in place, rotate-half convention, cos / sin [rows, head_dim]
   void (*rotary)(const Rows& q, const Rows& k, const Rows& cos, const Rows& sin,
                  int64_t head_dim);
-  // y [rows, out] float32 = x [rows, in] @ weight [out, in]^T, float32 or bfloat16 (bf16)
-  void (*row_gemm)(const void* x, const void* weight, float* y, int64_t rows, int64_t in,
-                   int64_t out, bool bf16);
+  // y [rows, out] = x [rows, in] @ weight [out, in]^T (+ bias [out] float32, may be null),
+  // all float32 or all bfloat16 (bf16), summed in float32 and rounded once
+  void (*row_gemm)(const void* x, const void* weight, const float* bias, void* y, int64_t rows,
+                   int64_t in, int64_t out, bool bf16);
   void (*quant_gemm)(const QuantGemmArgs&);
 };
 

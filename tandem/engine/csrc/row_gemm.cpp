@@ -17,13 +17,13 @@ at::Tensor row_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor weight
                         bias->scalar_type() == dtype && bias->device().is_cpu()),
               "bias: one value per output, of the weight's dtype");
   const at::Tensor input = x.contiguous();
-  at::Tensor y =
-      at::empty({input.size(0), weight.size(0)}, input.options().dtype(at::kFloat));
+  const at::Tensor bias_float = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  at::Tensor y = at::empty({input.size(0), weight.size(0)}, input.options());
   {
     pybind11::gil_scoped_release release;
-    kernels.row_gemm(input.data_ptr(), weight.data_ptr(), y.data_ptr<float>(), input.size(0),
+    kernels.row_gemm(input.data_ptr(), weight.data_ptr(),
+                     bias ? bias_float.data_ptr<float>() : nullptr, y.data_ptr(), input.size(0),
                      input.size(1), weight.size(0), dtype == at::kBFloat16);
   }
-  if (bias) y.add_(bias->to(at::kFloat));  // in float32, before the one rounding
-  return dtype == at::kFloat ? y : y.to(dtype);
+  return y;
 }

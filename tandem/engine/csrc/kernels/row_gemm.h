@@ -34,22 +34,40 @@ constexpr int64_t kGrainChannels = 64;  // the fewest output channels a thread t
 inline float widen(float v) { return v; }
 using simd::widen;
 
+// Where the results go: y [rows, out], float32 or bfloat16, each result plus its channel's bias
+// (float32, if any) and rounded once; written by the kernel, so a call makes no float32 copy for
+// torch to convert (a dispatched op per call, ~120 a SmolLM2 decode step).
+struct Out {
+  void* y;
+  const float* bias;
+  int64_t out;
+  bool bf16;
+
+  void put(int64_t m, int64_t n, float s) const {
+    if (bias) s += bias[n];
+    if (bf16)
+      static_cast<c10::BFloat16*>(y)[m * out + n] = c10::BFloat16(s);  // to nearest even
+    else
+      static_cast<float*>(y)[m * out + n] = s;
+  }
+};
+
 // y[m, n] for m < MT from the accumulated lanes: each folded, plus the products of the inputs
 // from k on that did not fill a register.
 template <int MT, typename X, typename W>
-void finish(const simd::Vec (&lanes)[MT], const W* w, const X* x, int64_t k, int64_t in, float* y,
-            int64_t out, int64_t n) {
+void finish(const simd::Vec (&lanes)[MT], const W* w, const X* x, int64_t k, int64_t in,
+            const Out& y, int64_t n) {
   for (int m = 0; m < MT; ++m) {
     float s = simd::sum(lanes[m]);
     for (int64_t e = k; e < in; ++e) s += widen(w[e]) * widen(x[m * in + e]);
-    y[m * out + n] = s;
+    y.put(m, n, s);
   }
 }
 
 // y[m, n] for m < MT: weight row n against float32 input rows 0..MT-1; W is float or the bits of
 // bfloat16 (uint16_t).
 template <int MT, typename W>
-void channel(const float* x, int64_t in, const W* weight, float* y, int64_t out, int64_t n) {
+void channel(const float* x, int64_t in, const W* weight, const Out& y, int64_t n) {
   simd::Vec acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = simd::Vec{};
   const W* w = weight + n * in;
@@ -59,15 +77,14 @@ void channel(const float* x, int64_t in, const W* weight, float* y, int64_t out,
     const simd::Vec wv = simd::load(w + k);
     for (int m = 0; m < MT; ++m) acc[m] += wv * simd::load(x + m * in + k);
   }
-  finish<MT>(acc, w, x, k, in, y, out, n);
+  finish<MT>(acc, w, x, k, in, y, n);
 }
 
 #if TANDEM_BF16_DOTS
 // `channel` for bfloat16 rows with `vdpbf16ps`: lane i of an accumulator gathers the products of
 // inputs 2i and 2i + 1 of every 32.
 template <int MT>
-void channel(const uint16_t* x, int64_t in, const uint16_t* weight, float* y, int64_t out,
-             int64_t n) {
+void channel(const uint16_t* x, int64_t in, const uint16_t* weight, const Out& y, int64_t n) {
   constexpr int64_t kStep = 2 * simd::kWidth;
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
@@ -81,48 +98,52 @@ void channel(const uint16_t* x, int64_t in, const uint16_t* weight, float* y, in
   }
   simd::Vec lanes[MT];
   std::memcpy(lanes, acc, sizeof lanes);
-  finish<MT>(lanes, w, x, k, in, y, out, n);
+  finish<MT>(lanes, w, x, k, in, y, n);
 }
 #endif
 
 // All output channels for MT rows, spread over the threads in runs of channels. X: float32
 // rows, or bfloat16 bits where the level has bfloat16 dot products.
 template <int MT, typename X, typename W>
-void rows(const X* x, int64_t in, const W* weight, float* y, int64_t out) {
-  at::parallel_for(0, out, kGrainChannels, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) channel<MT>(x, in, weight, y, out, n);
+void rows(const X* x, int64_t in, const W* weight, const Out& y) {
+  at::parallel_for(0, y.out, kGrainChannels, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) channel<MT>(x, in, weight, y, n);
   });
 }
 
 template <int MT, typename X, typename W>
-void rows_upto(int64_t m, const X* x, int64_t in, const W* weight, float* y, int64_t out) {
+void rows_upto(int64_t m, const X* x, int64_t in, const W* weight, const Out& y) {
   if constexpr (MT > 1) {
-    if (m < MT) return rows_upto<MT - 1>(m, x, in, weight, y, out);
+    if (m < MT) return rows_upto<MT - 1>(m, x, in, weight, y);
   }
-  rows<MT>(x, in, weight, y, out);
+  rows<MT>(x, in, weight, y);
 }
 
 template <typename X, typename W>
-void in_chunks(const X* x, int64_t rows_in, int64_t in, const W* w, float* y, int64_t out) {
+void in_chunks(const X* x, int64_t rows_in, int64_t in, const W* w, Out y) {
+  const int64_t bytes = y.bf16 ? sizeof(uint16_t) : sizeof(float);
+  void* const first = y.y;
   for (int64_t m0 = 0; m0 < rows_in; m0 += kMaxRows) {
     const int64_t m = std::min(kMaxRows, rows_in - m0);
-    rows_upto<kMaxRows>(m, x + m0 * in, in, w, y + m0 * out, out);
+    y.y = static_cast<char*>(first) + m0 * y.out * bytes;
+    rows_upto<kMaxRows>(m, x + m0 * in, in, w, y);
   }
 }
 
-void row_gemm(const void* x, const void* weight, float* y, int64_t rows_in, int64_t in,
-              int64_t out, bool bf16) {
+void row_gemm(const void* x, const void* weight, const float* bias, void* y, int64_t rows_in,
+              int64_t in, int64_t out, bool bf16) {
+  const Out to{y, bias, out, bf16};
   if (!bf16)
     return in_chunks(static_cast<const float*>(x), rows_in, in, static_cast<const float*>(weight),
-                     y, out);
+                     to);
   const auto* xbits = static_cast<const uint16_t*>(x);
   const auto* wbits = static_cast<const uint16_t*>(weight);
 #if TANDEM_BF16_DOTS
-  in_chunks(xbits, rows_in, in, wbits, y, out);
+  in_chunks(xbits, rows_in, in, wbits, to);
 #else
   std::vector<float> wide(rows_in * in);  // the rows as float32, once: exact
   for (int64_t e = 0; e < rows_in * in; ++e) wide[e] = widen(xbits[e]);
-  in_chunks(wide.data(), rows_in, in, wbits, y, out);
+  in_chunks(wide.data(), rows_in, in, wbits, to);
 #endif
 }
 
