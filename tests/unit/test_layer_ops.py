@@ -1,7 +1,7 @@
 """The fused elementwise ops of a decoder layer (`csrc/layer_ops.cpp`) equal the torch ops they
 replace: RMSNorm with and without the residual add, SiLU-and-multiply, RoPE on strided views of
-the fused qkv output, and the KV slot scatter; bad shapes are refused, and autograd keeps the
-torch path."""
+the fused qkv output, and the KV slot scatter, apart and as the one call of a decode step; bad
+shapes are refused, and autograd keeps the torch path."""
 
 from __future__ import annotations
 
@@ -149,6 +149,45 @@ def test_scatter_rows_refuses_an_index_out_of_range_and_writes_nothing(kernels: 
     with pytest.raises(RuntimeError, match="out of range"):
         layer_ops.scatter_rows(cache, torch.tensor([1, 4]), torch.ones(2, 8))
     assert not cache.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_store_is_rotary_then_the_two_scatters(
+    kernels: ModuleType, dtype: torch.dtype
+) -> None:
+    """The decode plan's one call (`rotary_store`) leaves qkv and the slots bit for bit as
+    `rotary` and a `scatter_rows` of k and of v do, on rows at a stride."""
+    torch.manual_seed(6)
+    n, heads, kv_heads, d, slots = 5, 6, 2, 32, 30
+    emb = rope.RotaryEmbedding(d, 512, 10000.0, None, dtype, torch.device("cpu"))
+    cos, sin = (t.view(n, d) for t in emb(torch.tensor([0, 3, 64, 200, 511])))
+    width = (heads + 2 * kv_heads) * d
+    qkv = torch.randn(n, width + 16).to(dtype)[:, :width]  # rows at a stride
+    index = torch.tensor([29, 0, 7, 8, 15])
+    want_qkv, got_qkv = qkv.clone(), qkv.clone()
+    want = [torch.zeros(slots, kv_heads * d, dtype=dtype) for _ in range(2)]
+    got = [torch.zeros(slots, kv_heads * d, dtype=dtype) for _ in range(2)]
+    q, k, v = want_qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    kernels.rotary(q, k, cos, sin, d)
+    kernels.scatter_rows(want[0], index, k)
+    kernels.scatter_rows(want[1], index, v)
+    kernels.rotary_store(got_qkv, heads * d, cos, sin, d, got[0], got[1], index)
+    for a, b in zip([got_qkv, *got], [want_qkv, *want], strict=True):
+        assert torch.equal(
+            a.view(torch.int16 if dtype != torch.float32 else torch.int32),
+            b.view(torch.int16 if dtype != torch.float32 else torch.int32),
+        )
+
+
+def test_rotary_store_refuses_an_index_out_of_range_and_writes_nothing(
+    kernels: ModuleType,
+) -> None:
+    qkv = torch.ones(2, 4 * 8)
+    keys, values = torch.zeros(4, 8), torch.zeros(4, 8)
+    cos, sin = torch.ones(2, 8), torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.rotary_store(qkv, 16, cos, sin, 8, keys, values, torch.tensor([1, 4]))
+    assert torch.equal(qkv, torch.ones(2, 4 * 8)) and not keys.any() and not values.any()
 
 
 def test_bad_shapes_are_refused(kernels: ModuleType) -> None:

@@ -39,6 +39,14 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
           int64_t head_dim) { rotary(*k, q, key, cos, sin, head_dim); },
       "RoPE of q's and k's heads in place (rotate-half convention)");
   m.def(
+      "rotary_store",
+      [k](torch::Tensor qkv, int64_t q_size, torch::Tensor cos, torch::Tensor sin,
+          int64_t head_dim, torch::Tensor key_slots, torch::Tensor value_slots,
+          torch::Tensor index) {
+        rotary_store(*k, qkv, q_size, cos, sin, head_dim, key_slots, value_slots, index);
+      },
+      "RoPE of [q | k | v] rows' q and k in place, then k and v into their KV slots");
+  m.def(
       "quant_gemm",
       [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_zeros, int64_t group_size,
           bool float32_out) {

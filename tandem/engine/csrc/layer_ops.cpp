@@ -56,19 +56,48 @@ at::Tensor silu_mul(const isa::Kernels& kernels, at::Tensor gate_up) {
   return out;
 }
 
+namespace {
+
+void check_rotary(const isa::Rows& q, const isa::Rows& k, const at::Tensor& cos,
+                  const at::Tensor& sin, int64_t head_dim) {
+  check_rows(cos, "cos");
+  check_rows(sin, "sin");
+  const int64_t rows = q.rows;
+  TORCH_CHECK(head_dim % 2 == 0 && q.cols % head_dim == 0 && k.cols % head_dim == 0 &&
+                  k.rows == rows && cos.size(0) == rows && sin.size(0) == rows &&
+                  cos.size(1) == head_dim && sin.size(1) == head_dim,
+              "q [n, heads * head_dim], k [n, kv_heads * head_dim], cos and sin [n, head_dim]");
+  TORCH_CHECK(q.dtype == k.dtype && cos.scalar_type() == sin.scalar_type(),
+              "q and k of one dtype, cos and sin of one dtype");
+}
+
+// index: n row numbers of a tensor of `slots` rows.
+void check_index(const at::Tensor& index, int64_t n, int64_t slots) {
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong &&
+                  index.dim() == 1 && index.is_contiguous() && index.size(0) == n,
+              "index: int64 [", n, "]");
+  const int64_t* idx = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < slots, "index ", idx[i], " out of range for ", slots,
+                " rows");
+}
+
+// dst[index[i]] = src row i, `row_bytes` each (src: rows `src_stride` bytes apart; the index
+// checked already).
+void scatter(const at::Tensor& dst, const at::Tensor& index, const char* src, int64_t n,
+             int64_t src_stride, int64_t row_bytes) {
+  const int64_t* idx = index.data_ptr<int64_t>();
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t i = 0; i < n; ++i) std::memcpy(d + idx[i] * row_bytes, src + i * src_stride, row_bytes);
+}
+
+}  // namespace
+
 void rotary(const isa::Kernels& kernels, at::Tensor q, at::Tensor k, at::Tensor cos,
             at::Tensor sin, int64_t head_dim) {
   check_rows(q, "q");
   check_rows(k, "k");
-  check_rows(cos, "cos");
-  check_rows(sin, "sin");
-  const int64_t rows = q.size(0);
-  TORCH_CHECK(head_dim % 2 == 0 && q.size(1) % head_dim == 0 && k.size(1) % head_dim == 0 &&
-                  k.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows &&
-                  cos.size(1) == head_dim && sin.size(1) == head_dim,
-              "q [n, heads * head_dim], k [n, kv_heads * head_dim], cos and sin [n, head_dim]");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == sin.scalar_type(),
-              "q and k of one dtype, cos and sin of one dtype");
+  check_rotary(rows_of(q), rows_of(k), cos, sin, head_dim);
   kernels.rotary(rows_of(q), rows_of(k), rows_of(cos), rows_of(sin), head_dim);
 }
 
@@ -77,20 +106,38 @@ void scatter_rows(at::Tensor dst, at::Tensor index, at::Tensor src) {
                   dst.dim() >= 1 && src.dim() == dst.dim() &&
                   src.element_size() == dst.element_size(),
               "dst: a contiguous CPU tensor; src: rows of the same element size and rank");
-  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong &&
-                  index.dim() == 1 && index.is_contiguous() && index.size(0) == src.size(0),
-              "index: int64 [", src.size(0), "]");
   for (int64_t d = 1; d < dst.dim(); ++d)
     TORCH_CHECK(src.size(d) == dst.size(d), "src rows must have dst's row shape");
   TORCH_CHECK(src.size(0) == 0 || src.select(0, 0).is_contiguous(), "src: contiguous rows");
-  const int64_t n = src.size(0), slots = dst.size(0);
-  const int64_t row_bytes = dst.numel() / std::max<int64_t>(slots, 1) * dst.element_size();
-  const int64_t src_stride = src.stride(0) * src.element_size();
-  const int64_t* idx = index.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(idx[i] >= 0 && idx[i] < slots, "index ", idx[i], " out of range for ", slots,
-                " rows");
-  char* d = static_cast<char*>(dst.data_ptr());
-  const char* s = static_cast<const char*>(src.data_ptr());
-  for (int64_t i = 0; i < n; ++i) std::memcpy(d + idx[i] * row_bytes, s + i * src_stride, row_bytes);
+  const int64_t row_bytes = dst.numel() / std::max<int64_t>(dst.size(0), 1) * dst.element_size();
+  check_index(index, src.size(0), dst.size(0));
+  scatter(dst, index, static_cast<const char*>(src.data_ptr()), src.size(0),
+          src.stride(0) * src.element_size(), row_bytes);
+}
+
+void rotary_store(const isa::Kernels& kernels, at::Tensor qkv, int64_t q_size, at::Tensor cos,
+                  at::Tensor sin, int64_t head_dim, at::Tensor key_slots,
+                  at::Tensor value_slots, at::Tensor index) {
+  check_rows(qkv, "qkv");
+  const int64_t kv_size = (qkv.size(1) - q_size) / 2;
+  TORCH_CHECK(q_size > 0 && kv_size > 0 && q_size + 2 * kv_size == qkv.size(1),
+              "qkv: [n, q_size + 2 * kv_size]");
+  for (const at::Tensor* slots : {&key_slots, &value_slots})
+    TORCH_CHECK(slots->device().is_cpu() && slots->dim() == 2 && slots->is_contiguous() &&
+                    slots->size(1) == kv_size && slots->scalar_type() == qkv.scalar_type(),
+                "key/value slots: contiguous [num_slots, ", kv_size, "] of qkv's dtype");
+  check_index(index, qkv.size(0), std::min(key_slots.size(0), value_slots.size(0)));
+  const isa::Rows all = rows_of(qkv);
+  const int64_t bytes = c10::elementSize(all.dtype);
+  char* base = static_cast<char*>(all.data);
+  const auto columns = [&](int64_t first, int64_t count) {
+    return isa::Rows{base + first * bytes, all.rows, count, all.stride, all.dtype};
+  };
+  const isa::Rows q = columns(0, q_size), k = columns(q_size, kv_size);
+  check_rotary(q, k, cos, sin, head_dim);
+  kernels.rotary(q, k, rows_of(cos), rows_of(sin), head_dim);
+  const int64_t stride = all.stride * bytes;
+  scatter(key_slots, index, base + q_size * bytes, all.rows, stride, kv_size * bytes);
+  scatter(value_slots, index, base + (q_size + kv_size) * bytes, all.rows, stride,
+          kv_size * bytes);
 }

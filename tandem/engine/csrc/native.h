@@ -41,6 +41,12 @@ void rotary(const isa::Kernels& kernels, at::Tensor q, at::Tensor k, at::Tensor 
             at::Tensor sin, int64_t head_dim);
 // dst[index[i]] = src[i] over whole rows (KV slots), same element size.
 void scatter_rows(at::Tensor dst, at::Tensor index, at::Tensor src);
+// A decode step's new keys and values: RoPE of the q and k columns of the fused projection's
+// rows qkv = [q | k | v] in place, then k's and v's rows into their cache slots,
+// key_slots[index[i]] = k[i], value_slots[index[i]] = v[i] (slots of qkv's dtype).
+void rotary_store(const isa::Kernels& kernels, at::Tensor qkv, int64_t q_size, at::Tensor cos,
+                  at::Tensor sin, int64_t head_dim, at::Tensor key_slots,
+                  at::Tensor value_slots, at::Tensor index);
 
 // int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16 (or,
 // `float32_out`, float32) [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).
