@@ -47,6 +47,7 @@ SOURCES = (
     "layer_ops.cpp",
     "quant_gemm.cpp",
     "row_gemm.cpp",
+    "decode_layers.cpp",
     "bindings.cpp",
 )
 HEADERS = (

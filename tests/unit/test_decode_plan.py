@@ -1,6 +1,7 @@
 """The decode plan (`models/decode_plan.py`) computes exactly what the module path computes: the
 same hidden states and the same KV slots, bit for bit, for decodes and verifications, in every
-model dtype and weight format it covers and every KV cache format; steps and models it does not
+model dtype and weight format it covers and every KV cache format, through its Python loop and
+through the native one (`csrc/decode_layers.cpp`) where that runs; steps and models it does not
 cover take the module path."""
 
 from __future__ import annotations
@@ -79,22 +80,80 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("dtype", "quantization", "cache_dtype"), CASES)
-@pytest.mark.parametrize(
+SHAPES = pytest.mark.parametrize(
     "shapes",
     [[(9, 1)], [(3, 1), (17, 1), (6, 1)], [(11, 4), (5, 1), (22, 3)]],
     ids=["one decode", "three decodes", "verifications"],
 )
+LOOPS = pytest.mark.parametrize("loop", ["native", "python"])
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "cache_dtype"), CASES)
+@SHAPES
+@LOOPS
 def test_plan_equals_the_module_path(
     tiny_llama_path: Path,
     dtype: torch.dtype,
     quantization: str | None,
     cache_dtype: torch.dtype,
     shapes: list[tuple[int, int]],
+    loop: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = _model(tiny_llama_path, dtype, quantization)
+    # the native loop takes bfloat16 steps over caches of the model dtype (float32's few-row
+    # products take other routes than `row_gemm`)
+    native = dtype == cache_dtype == torch.bfloat16
+    _assert_plan_equals_the_module_path(model, shapes, cache_dtype, loop, native, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@SHAPES
+@LOOPS
+def test_plan_of_a_model_with_biases(
+    tmp_path: Path,
+    tiny_llama_kwargs: dict[str, int],
+    dtype: torch.dtype,
+    shapes: list[tuple[int, int]],
+    loop: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Qwen2's q, k and v projections have biases: `row_gemm` adds them in float32 before its
+    rounding."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**tiny_llama_kwargs, initializer_range=0.2)).save_pretrained(
+        tmp_path
+    )
+    model = _model(tmp_path, dtype, None)
+    assert model.cfg.attention_bias
+    native = dtype == torch.bfloat16
+    _assert_plan_equals_the_module_path(model, shapes, dtype, loop, native, monkeypatch)
+
+
+def _plan(
+    model: LlamaForCausalLM, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> decode_plan.DecodePlan:
+    """The model's plan, built now; its Python loop only where `loop` is "python"."""
     plan = decode_plan.build(model)
     assert plan is not None, "the plan covers this model"
+    if loop == "python":
+        monkeypatch.setattr(plan, "_native_for", lambda rows, caches: None)
+    monkeypatch.setattr(model, "_decode_plan", plan)
+    monkeypatch.setattr(model, "_decode_plan_built", True)
+    return plan
+
+
+def _assert_plan_equals_the_module_path(
+    model: LlamaForCausalLM,
+    shapes: list[tuple[int, int]],
+    cache_dtype: torch.dtype,
+    loop: str,
+    native: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plan = _plan(model, loop, monkeypatch)
     ids, positions, caches, meta = _step(model, shapes, cache_dtype)
     assert meta.batched is not None and meta.batched.kernel
     planned_caches = [c.clone() for c in caches]
@@ -102,13 +161,19 @@ def test_plan_equals_the_module_path(
         assert plan.covers(meta, len(ids))
         want = _module_path(model, ids, positions, caches, meta)
         got = model(ids, positions, planned_caches, meta)  # takes the plan
+    if loop == "native" and native:
+        assert plan._native_for(len(ids), planned_caches) is not None, "the native loop ran"
     assert torch.equal(got, want)
     for planned, cache in zip(planned_caches, caches, strict=True):
         assert torch.equal(planned.view(torch.uint8), cache.view(torch.uint8))
 
 
-def test_the_first_layers_of_a_layer_skip_draft(tiny_llama_path: Path) -> None:
+@LOOPS
+def test_the_first_layers_of_a_layer_skip_draft(
+    tiny_llama_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = _model(tiny_llama_path, torch.bfloat16, "int4")
+    _plan(model, loop, monkeypatch)
     ids, positions, caches, meta = _step(model, [(7, 1), (13, 2)], torch.bfloat16)
     with torch.inference_mode():
         x = model.embed_tokens(ids).float()

@@ -62,6 +62,15 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
       },
       "x @ weight.T + bias for a few float32 / bfloat16 rows, each row on its own",
       py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def(
+      "decode_layers",
+      [k](std::vector<torch::Tensor> norms, std::vector<ProductSpec> products, double eps,
+          int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, double scale,
+          torch::ScalarType dtype) {
+        return DecodeLayers(*k, std::move(norms), std::move(products), eps, head_dim,
+                            num_heads, num_kv_heads, scale, dtype);
+      },
+      "a decode step's decoder layers as one call (DecodeLayers)");
   // the level-independent ones too, so that a level's module is all a caller needs
   m.attr("copy_rows") = parent.attr("copy_rows");
   m.attr("scatter_rows") = parent.attr("scatter_rows");
@@ -71,6 +80,10 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeLayers>(m, "DecodeLayers")
+      .def("set_caches", &DecodeLayers::set_caches, "the layers' key and value caches")
+      .def("run", &DecodeLayers::run,
+           "the first num_layers layers on x [rows, hidden] float32, in place");
   m.def("copy_rows", &copy_rows,
         "dst[dst_rows] = src[src_rows] over whole rows of bytes (None: the rows in order), "
         "consecutive rows as one copy; stream: non-temporal stores",

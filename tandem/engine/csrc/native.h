@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 // Short-query attention over a paged KV cache (kernels/attention.h).
 at::Tensor paged_attention(const isa::Kernels& kernels, at::Tensor q,
@@ -58,3 +60,41 @@ at::Tensor quant_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor tile
 // kernels/row_gemm.h).
 at::Tensor row_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor weight,
                        std::optional<at::Tensor> bias);
+
+// A decode step's decoder layers in one call (decode_layers.cpp, models/decode_plan.py): per
+// layer RMSNorm, the fused qkv product, RoPE, the new keys and values into their slots,
+// attention, the o product, the residual add and RMSNorm, gate/up, SiLU-and-multiply, down,
+// on x [rows, hidden], the float32 residual stream, in place. A product is (weight, bias, 0)
+// for `row_gemm` or (tiles, scales_zeros, group_size) for `quant_gemm`; caches of the model
+// dtype, [num_blocks, block_size, num_kv_heads, head_dim].
+using ProductSpec = std::tuple<at::Tensor, std::optional<at::Tensor>, int64_t>;
+
+class DecodeLayers {
+ public:
+  DecodeLayers(const isa::Kernels& kernels, std::vector<at::Tensor> norms,
+               std::vector<ProductSpec> products, double eps, int64_t head_dim,
+               int64_t num_heads, int64_t num_kv_heads, double scale, at::ScalarType dtype);
+  void set_caches(std::vector<at::Tensor> keys, std::vector<at::Tensor> values);
+  void run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
+           at::Tensor block_tables, at::Tensor context_lens, at::Tensor query_starts,
+           int64_t num_layers);
+
+ private:
+  struct Product {
+    at::Tensor weight;  // row_gemm's weight, or quant_gemm's tiles
+    at::Tensor extra;   // row_gemm's bias (may be undefined), or the scales_zeros
+    int64_t group_size;  // 0: row_gemm
+    int64_t in, out;
+  };
+  void multiply(const Product& p, const at::Tensor& x, const at::Tensor& y);
+
+  const isa::Kernels& kernels_;
+  std::vector<at::Tensor> norms_;  // input and post-attention norm weights, per layer
+  std::vector<Product> products_;  // qkv, o, gate_up, down, per layer
+  std::vector<at::Tensor> keys_, values_;
+  std::vector<float> bias_;  // a bfloat16 bias in float32, for the call that adds it
+  float eps_;
+  int64_t head_dim_, num_heads_, num_kv_heads_;
+  float scale_;
+  at::ScalarType dtype_;
+};

@@ -17,19 +17,27 @@ It runs the module path's own kernels on the same tensors in the same order, so 
 states equal the module path's bit for bit (`tests/unit/test_decode_plan.py`); every other step,
 and every model it does not cover (CUDA, no native extension, q/k norms, a linear layer without a
 direct kernel for the model's dtype), takes the module path.
+
+Where every linear layer's call for a row count is a native kernel of the plan's level on the
+model dtype (`row_gemm`, or `quant_gemm` into bfloat16: a `RowGemmCall` or `TileCall`) and the
+caches hold the model dtype, the same calls run as one call of the extension
+(`csrc/decode_layers.cpp`: the kernels in the same order on the same values, bit for bit),
+without the loop's ~250 Python calls and slices and the output tensor each allocated; other
+routes, tensor parallelism's all-reduces and quantized caches keep the Python loop.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from tandem.engine import layer_ops, native
 from tandem.engine.attention import AttentionMetadata
 from tandem.engine.kv_quant import encode
+from tandem.engine.models.linear import RowGemmCall
 
 if TYPE_CHECKING:
     from tandem.engine.models.linear import RowKernel
@@ -69,6 +77,10 @@ class DecodePlan:
         # per-layer views of the KV caches, kept while the caller passes the same list
         self._caches: list[torch.Tensor] | None = None
         self._views: list[CacheViews] = []
+        # the layers as one native call, per row count (None: the Python loop), and the caches
+        # each was last given
+        self._native: dict[int, Any] = {}
+        self._native_caches: dict[int, list[torch.Tensor]] = {}
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether a step of `rows` tokens with this metadata can run here."""
@@ -106,6 +118,19 @@ class DecodePlan:
         slots = meta.slot_mapping
         layers = self.layers_for(n)
         assert layers is not None
+        native = self._native_for(n, kv_caches) if x.is_contiguous() else None
+        if native is not None:
+            native.run(
+                x,
+                cos,
+                sin,
+                slots,
+                b.block_tables,
+                b.context_lens,
+                b.query_starts,
+                len(layers) if num_layers is None else num_layers,
+            )
+            return x
         if num_layers is not None:
             layers = layers[:num_layers]
         mlp_out = None  # the previous layer's MLP output, added to x by this layer's norm
@@ -130,6 +155,23 @@ class DecodePlan:
         if mlp_out is not None:
             x.add_(mlp_out)
         return x
+
+    def _native_for(self, rows: int, kv_caches: list[torch.Tensor]) -> Any | None:
+        """The extension's `DecodeLayers` over every layer for steps of `rows` rows, given
+        these caches, or None where the Python loop runs (`_bind_native`)."""
+        if rows not in self._native:
+            layers = self.layers_for(rows)
+            self._native[rows] = None if layers is None else _bind_native(self, layers)
+        native = self._native[rows]
+        if native is None or len(kv_caches) != len(self.modules):
+            return None
+        if self._native_caches.get(rows) is not kv_caches:
+            views = self._cache_views(kv_caches)
+            if any(cache_dtype is not None for cache_dtype, *_ in views):
+                return None  # quantized slots: `encode` runs in Python
+            native.set_caches([v[1] for v in views], [v[2] for v in views])
+            self._native_caches[rows] = kv_caches
+        return native
 
     def _cache_views(self, kv_caches: list[torch.Tensor]) -> list[CacheViews]:
         """(slot dtype, keys, values, key slots, value slots) per layer: the cache [2, blocks,
@@ -173,6 +215,42 @@ def _bind(modules: list[DecoderLayer], dtype: torch.dtype, rows: int) -> list[La
             )
         )
     return layers
+
+
+def _bind_native(plan: DecodePlan, layers: list[LayerPlan]) -> Any | None:
+    """The layers as one call of the extension (`csrc/decode_layers.cpp`: the same kernels in
+    the same order, so the same hidden states bit for bit), where every product is a native
+    kernel of the plan's level on the model dtype (`row_gemm`, or `quant_gemm` into bfloat16);
+    else None (another route, a tensor-parallel all-reduce: the Python loop runs)."""
+    from tandem.engine.quant.tiles import TileCall  # the quant package imports the models
+
+    ext = plan.ext
+    norms: list[torch.Tensor] = []
+    products: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+    for layer in layers:
+        norms += [layer.input_norm, layer.post_norm]
+        for call in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if isinstance(call, RowGemmCall) and call.kernel is ext.row_gemm:
+                if call.weight.dtype != plan.dtype:
+                    return None
+                products.append((call.weight, call.bias, 0))
+            elif isinstance(call, TileCall) and not call.float32_out:
+                if plan.dtype != torch.bfloat16:
+                    return None
+                products.append((call.tiles, call.scales_zeros, call.group_size))
+            else:
+                return None
+    num_heads = plan.split[0] // plan.head_dim
+    return ext.decode_layers(
+        norms,
+        products,
+        plan.eps,
+        plan.head_dim,
+        num_heads,
+        plan.num_kv_heads,
+        plan.scale,
+        plan.dtype,
+    )
 
 
 def build(model: LlamaForCausalLM) -> DecodePlan | None:

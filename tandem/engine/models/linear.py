@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,6 +94,19 @@ def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+@dataclass(frozen=True)
+class RowGemmCall:
+    """`row_gemm` bound to one layer's weight and bias; the decode plan's native layer loop
+    reads its tensors (`models/decode_plan.py`)."""
+
+    kernel: Callable[..., torch.Tensor]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.bias)
+
+
 class DenseProduct:
     """x @ weight.T + bias for 2-D float32 / bfloat16 inputs on CPU through the routes `bind`
     gives it (`routes.py`), one per row bucket; elsewhere, and before `bind`, `linear`. Holds its
@@ -151,7 +165,7 @@ class DenseProduct:
         if name == "row_gemm":
             kernel = _row_gemm()
             assert kernel is not None
-            return lambda x: kernel(x, weight, bias)
+            return RowGemmCall(kernel, weight, bias)
         if name == "matmul":
             return lambda x: _matmul(x, weight, bias)
         if name == "f_linear_fp32":
@@ -206,5 +220,5 @@ class Linear(nn.Linear):
             and _native_weights(dtype, weight, bias)
             and rows in ROW_GEMM_ROWS.get(dtype, range(0))
         ):
-            return lambda x: kernel(x, weight, bias)
+            return RowGemmCall(kernel, weight, bias)
         return lambda x: linear(x, weight, bias)

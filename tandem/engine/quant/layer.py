@@ -64,10 +64,10 @@ class QuantizedLinear(nn.Module):
     def tile_kernel(self, float32_out: bool = False) -> RowKernel | None:
         """The native tiles' kernel on this layer's tiles (its sums rounded to bfloat16, or
         float32 ones), or None where there are none."""
-        weight_tiles, scales_zeros, group = self.tiles, self.tile_scales, self.tile_group
+        weight_tiles, scales_zeros = self.tiles, self.tile_scales
         if weight_tiles is None or scales_zeros is None:
             return None
-        return lambda x: tiles.multiply(x, weight_tiles, scales_zeros, group, float32_out)
+        return tiles.TileCall(weight_tiles, scales_zeros, self.tile_group, float32_out)
 
     @abstractmethod
     def drop_packed(self) -> None:

@@ -19,6 +19,8 @@ kernel: 1.5-1.7x faster at one row and 2.1-2.25x at sixteen (gate/up 152 us agai
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tandem.engine import native
@@ -32,6 +34,21 @@ def supported(device: torch.device, out_features: int, in_features: int) -> bool
     if device.type != "cpu" or out_features % TILE or in_features % 2:
         return False
     return native.extension() is not None
+
+
+@dataclass(frozen=True)
+class TileCall:
+    """The native kernel bound to one layer's tiles, [rows, in] bfloat16 -> [rows, out]
+    bfloat16 (or its float32 sums); the decode plan's native layer loop reads its tensors
+    (`models/decode_plan.py`)."""
+
+    tiles: torch.Tensor
+    scales_zeros: torch.Tensor
+    group_size: int
+    float32_out: bool = False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return multiply(x, self.tiles, self.scales_zeros, self.group_size, self.float32_out)
 
 
 def multiply(
