@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -145,6 +146,19 @@ def _plan(
     return plan
 
 
+def _natives_given(plan: decode_plan.DecodePlan, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What the plan's `_native_for` hands its steps from now on (None: the Python loop)."""
+    given: list[Any] = []
+    real = plan._native_for
+
+    def spy(rows: int, caches: list[torch.Tensor]) -> Any:
+        given.append(real(rows, caches))
+        return given[-1]
+
+    monkeypatch.setattr(plan, "_native_for", spy)
+    return given
+
+
 def _assert_plan_equals_the_module_path(
     model: LlamaForCausalLM,
     shapes: list[tuple[int, int]],
@@ -154,6 +168,7 @@ def _assert_plan_equals_the_module_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     plan = _plan(model, loop, monkeypatch)
+    given = _natives_given(plan, monkeypatch)
     ids, positions, caches, meta = _step(model, shapes, cache_dtype)
     assert meta.batched is not None and meta.batched.kernel
     planned_caches = [c.clone() for c in caches]
@@ -162,24 +177,41 @@ def _assert_plan_equals_the_module_path(
         want = _module_path(model, ids, positions, caches, meta)
         got = model(ids, positions, planned_caches, meta)  # takes the plan
     if loop == "native" and native:
-        assert plan._native_for(len(ids), planned_caches) is not None, "the native loop ran"
+        assert given and given[-1] is not None, "the native loop ran"
     assert torch.equal(got, want)
     for planned, cache in zip(planned_caches, caches, strict=True):
         assert torch.equal(planned.view(torch.uint8), cache.view(torch.uint8))
 
 
-@LOOPS
-def test_the_first_layers_of_a_layer_skip_draft(
-    tiny_llama_path: Path, loop: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_first_layers_of_a_layer_skip_draft(tiny_llama_path: Path) -> None:
+    """A layer-skip draft's first layers (their caches only) take the Python loop."""
     model = _model(tiny_llama_path, torch.bfloat16, "int4")
-    _plan(model, loop, monkeypatch)
     ids, positions, caches, meta = _step(model, [(7, 1), (13, 2)], torch.bfloat16)
     with torch.inference_mode():
         x = model.embed_tokens(ids).float()
         want = model.norm(model.layers[0](model.rope(positions), x, caches[0].clone(), meta))
         got = model(ids, positions, caches[:1], meta, num_layers=1)
     assert torch.equal(got, want)
+
+
+def test_the_native_loop_refuses_a_slot_out_of_range_and_writes_nothing(
+    tiny_llama_path: Path,
+) -> None:
+    model = _model(tiny_llama_path, torch.bfloat16, "int8")
+    plan = decode_plan.build(model)
+    assert plan is not None
+    ids, positions, caches, meta = _step(model, [(9, 1)], torch.bfloat16)
+    native = plan._native_for(1, caches)
+    assert native is not None and meta.batched is not None
+    x = model.embed_tokens(ids).float()
+    cos, sin = (t.view(1, -1) for t in model.rope(positions))
+    before = [c.clone() for c in caches], x.clone()
+    b = meta.batched
+    slots = torch.tensor([caches[0].shape[1] * caches[0].shape[2]])  # one past the last slot
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="out of range"):
+        native.run(x, cos, sin, slots, b.block_tables, b.context_lens, b.query_starts)
+    assert torch.equal(x, before[1])
+    assert all(torch.equal(c, old) for c, old in zip(caches, before[0], strict=True))
 
 
 def test_steps_and_models_it_does_not_cover(tiny_llama_path: Path) -> None:

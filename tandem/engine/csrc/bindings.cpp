@@ -83,7 +83,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers")
       .def("set_caches", &DecodeLayers::set_caches, "the layers' key and value caches")
       .def("run", &DecodeLayers::run,
-           "the first num_layers layers on x [rows, hidden] float32, in place");
+           "every layer on x [rows, hidden] float32, in place");
   m.def("copy_rows", &copy_rows,
         "dst[dst_rows] = src[src_rows] over whole rows of bytes (None: the rows in order), "
         "consecutive rows as one copy; stream: non-temporal stores",

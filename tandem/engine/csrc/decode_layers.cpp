@@ -36,6 +36,9 @@ DecodeLayers::DecodeLayers(const isa::Kernels& kernels, std::vector<at::Tensor> 
       scale_(static_cast<float>(scale)),
       dtype_(dtype) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "dtype: float32 or bfloat16");
+  TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0 && head_dim >= 2 &&
+                  head_dim % 2 == 0,
+              "heads: a whole number of query heads per KV head, an even head_dim");
   TORCH_CHECK(!norms_.empty() && norms_.size() * 2 == products.size(),
               "two norm weights and four products a layer");
   for (const at::Tensor& w : norms_)
@@ -44,6 +47,8 @@ DecodeLayers::DecodeLayers(const isa::Kernels& kernels, std::vector<at::Tensor> 
                 "norm weights: float32 [hidden] on CPU");
   for (const auto& [weight, extra, group_size] : products) {
     Product p{weight, at::Tensor(), group_size, 0, 0};
+    TORCH_CHECK(weight.device().is_cpu() && (!extra || extra->device().is_cpu()),
+                "products: CPU tensors");
     if (group_size == 0) {  // row_gemm: weight [out, in] of the model dtype, bias [out]
       TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.device().is_cpu() &&
                       weight.scalar_type() == dtype,
@@ -58,10 +63,13 @@ DecodeLayers::DecodeLayers(const isa::Kernels& kernels, std::vector<at::Tensor> 
       }
     } else {  // quant_gemm: tiles [out / 16, in / 2, 16 | 32], scales_zeros (quant/tiles.py)
       TORCH_CHECK(dtype == at::kBFloat16, "quantized tiles take bfloat16 rows");
+      const bool int4 = weight.scalar_type() == at::kByte;
       TORCH_CHECK(extra && weight.dim() == 3 && weight.is_contiguous() &&
-                      (weight.scalar_type() == at::kByte || weight.scalar_type() == at::kChar) &&
+                      (int4 || weight.scalar_type() == at::kChar) &&
+                      weight.size(2) == (int4 ? 1 : 2) * isa::kQuantTile &&
                       extra->is_contiguous() && extra->scalar_type() == at::kBFloat16 &&
-                      extra->dim() == 4 && extra->size(0) == weight.size(0),
+                      extra->dim() == 4 && extra->size(0) == weight.size(0) &&
+                      extra->size(2) == 2 && extra->size(3) == isa::kQuantTile,
                   "tiles and scales_zeros as quant/tiles.py lays them out");
       p.in = 2 * weight.size(1);
       p.out = weight.size(0) * isa::kQuantTile;
@@ -72,16 +80,17 @@ DecodeLayers::DecodeLayers(const isa::Kernels& kernels, std::vector<at::Tensor> 
     }
     products_.push_back(std::move(p));
   }
+  // every layer of one shape: a step's buffers are sized once, by layer 0
+  const int64_t hidden = norms_[0].size(0), intermediate = products_[3].in;
   for (size_t l = 0; l < norms_.size() / 2; ++l) {
     const Product &qkv = products_[4 * l], &o = products_[4 * l + 1],
                   &gate_up = products_[4 * l + 2], &down = products_[4 * l + 3];
-    const int64_t hidden = norms_[2 * l].size(0);
-    TORCH_CHECK(qkv.in == hidden && o.out == hidden && gate_up.in == hidden &&
-                    down.out == hidden && gate_up.out == 2 * down.in &&
-                    o.in == num_heads * head_dim &&
-                    qkv.out == (num_heads + 2 * num_kv_heads) * head_dim &&
-                    norms_[2 * l + 1].size(0) == hidden,
-                "layer ", l, ": the products' shapes do not chain");
+    TORCH_CHECK(norms_[2 * l].size(0) == hidden && norms_[2 * l + 1].size(0) == hidden &&
+                    qkv.in == hidden && o.out == hidden && gate_up.in == hidden &&
+                    down.out == hidden && down.in == intermediate &&
+                    gate_up.out == 2 * intermediate && o.in == num_heads * head_dim &&
+                    qkv.out == (num_heads + 2 * num_kv_heads) * head_dim,
+                "layer ", l, ": the products' shapes do not chain, or differ from layer 0's");
   }
 }
 
@@ -93,9 +102,11 @@ void DecodeLayers::set_caches(std::vector<at::Tensor> keys, std::vector<at::Tens
                     keys[l].sizes() == values[l].sizes() && keys[l].scalar_type() == dtype_ &&
                     values[l].scalar_type() == dtype_ && keys[l].size(2) == num_kv_heads_ &&
                     keys[l].size(3) == head_dim_ &&
-                    keys[l].size(1) <= isa::kMaxAttentionBlockSize,
-                "key/value cache: contiguous [num_blocks, block_size, num_kv_heads, head_dim] "
-                "of the model dtype");
+                    keys[l].size(1) <= isa::kMaxAttentionBlockSize &&
+                    keys[l].device().is_cpu() && values[l].device().is_cpu() &&
+                    keys[l].sizes() == keys[0].sizes(),
+                "key/value cache: contiguous CPU [num_blocks, block_size, num_kv_heads, "
+                "head_dim] of the model dtype, one shape for every layer");
   keys_ = std::move(keys);
   values_ = std::move(values);
 }
@@ -123,18 +134,20 @@ void DecodeLayers::multiply(const Product& p, const at::Tensor& x, const at::Ten
 
 void DecodeLayers::run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                        at::Tensor block_tables, at::Tensor context_lens,
-                       at::Tensor query_starts, int64_t num_layers) {
+                       at::Tensor query_starts) {
   const int64_t layers = static_cast<int64_t>(norms_.size() / 2);
-  TORCH_CHECK(num_layers >= 1 && num_layers <= layers, "num_layers: 1 to ", layers);
   TORCH_CHECK(static_cast<int64_t>(keys_.size()) == layers, "set_caches first");
   const int64_t n = x.size(0), hidden = norms_[0].size(0);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat &&
                   x.size(1) == hidden && n > 0,
               "x: the float32 residual stream [rows, hidden]");
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->dim() == 2 && t->stride(1) == 1 && t->size(0) == n &&
-                    t->size(1) == head_dim_ && t->scalar_type() == cos.scalar_type(),
-                "cos and sin: [rows, head_dim] of one dtype");
+    TORCH_CHECK(t->device().is_cpu() && t->dim() == 2 && t->stride(1) == 1 &&
+                    t->size(0) == n && t->size(1) == head_dim_ &&
+                    t->scalar_type() == cos.scalar_type() &&
+                    (t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16 ||
+                     t->scalar_type() == at::kHalf),
+                "cos and sin: float32 / bfloat16 / float16 [rows, head_dim], of one dtype");
   for (const at::Tensor* t : {&slots, &block_tables, &context_lens, &query_starts})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->device().is_cpu(),
                 "int64 metadata");
@@ -156,7 +169,7 @@ void DecodeLayers::run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor 
   const int64_t row_bytes = kv_size * qkv.element_size();
   {
     pybind11::gil_scoped_release release;
-    for (int64_t l = 0; l < num_layers; ++l) {
+    for (int64_t l = 0; l < layers; ++l) {
       const Product* p = &products_[4 * l];
       // x += the previous layer's MLP output, then the norm
       kernels_.rms_norm(rows_of(x), l ? rows_of(mlp_out) : kNone,

@@ -66,7 +66,8 @@ at::Tensor row_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor weight
 // attention, the o product, the residual add and RMSNorm, gate/up, SiLU-and-multiply, down,
 // on x [rows, hidden], the float32 residual stream, in place. A product is (weight, bias, 0)
 // for `row_gemm` or (tiles, scales_zeros, group_size) for `quant_gemm`; caches of the model
-// dtype, [num_blocks, block_size, num_kv_heads, head_dim].
+// dtype, [num_blocks, block_size, num_kv_heads, head_dim]. Every layer of one shape; one thread
+// uses an object at a time (the engine's).
 using ProductSpec = std::tuple<at::Tensor, std::optional<at::Tensor>, int64_t>;
 
 class DecodeLayers {
@@ -76,8 +77,7 @@ class DecodeLayers {
                int64_t num_heads, int64_t num_kv_heads, double scale, at::ScalarType dtype);
   void set_caches(std::vector<at::Tensor> keys, std::vector<at::Tensor> values);
   void run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
-           at::Tensor block_tables, at::Tensor context_lens, at::Tensor query_starts,
-           int64_t num_layers);
+           at::Tensor block_tables, at::Tensor context_lens, at::Tensor query_starts);
 
  private:
   struct Product {

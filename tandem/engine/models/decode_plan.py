@@ -80,7 +80,8 @@ class DecodePlan:
         # the layers as one native call, per row count (None: the Python loop), and the caches
         # each was last given
         self._native: dict[int, Any] = {}
-        self._native_caches: dict[int, list[torch.Tensor]] = {}
+        self._native_caches: list[torch.Tensor] | None = None
+        self._native_raw = False  # whether those hold the model dtype
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
         """Whether a step of `rows` tokens with this metadata can run here."""
@@ -118,18 +119,10 @@ class DecodePlan:
         slots = meta.slot_mapping
         layers = self.layers_for(n)
         assert layers is not None
-        native = self._native_for(n, kv_caches) if x.is_contiguous() else None
+        whole = num_layers in (None, len(layers)) and x.is_contiguous()
+        native = self._native_for(n, kv_caches) if whole else None
         if native is not None:
-            native.run(
-                x,
-                cos,
-                sin,
-                slots,
-                b.block_tables,
-                b.context_lens,
-                b.query_starts,
-                len(layers) if num_layers is None else num_layers,
-            )
+            native.run(x, cos, sin, slots, b.block_tables, b.context_lens, b.query_starts)
             return x
         if num_layers is not None:
             layers = layers[:num_layers]
@@ -158,20 +151,26 @@ class DecodePlan:
 
     def _native_for(self, rows: int, kv_caches: list[torch.Tensor]) -> Any | None:
         """The extension's `DecodeLayers` over every layer for steps of `rows` rows, given
-        these caches, or None where the Python loop runs (`_bind_native`)."""
+        these caches (every layer's, of the model dtype), or None where the Python loop runs
+        (`_bind_native`)."""
+        if len(kv_caches) != len(self.modules):
+            return None
         if rows not in self._native:
             layers = self.layers_for(rows)
             self._native[rows] = None if layers is None else _bind_native(self, layers)
+            self._native_caches = None  # the new one has none yet
         native = self._native[rows]
-        if native is None or len(kv_caches) != len(self.modules):
+        if native is None:
             return None
-        if self._native_caches.get(rows) is not kv_caches:
+        if self._native_caches is not kv_caches:  # every row count's take the new caches
             views = self._cache_views(kv_caches)
-            if any(cache_dtype is not None for cache_dtype, *_ in views):
-                return None  # quantized slots: `encode` runs in Python
-            native.set_caches([v[1] for v in views], [v[2] for v in views])
-            self._native_caches[rows] = kv_caches
-        return native
+            # quantized slots: `encode` runs in Python
+            self._native_raw = all(cache_dtype is None for cache_dtype, *_ in views)
+            for bound in self._native.values():
+                if bound is not None and self._native_raw:
+                    bound.set_caches([v[1] for v in views], [v[2] for v in views])
+            self._native_caches = kv_caches
+        return native if self._native_raw else None
 
     def _cache_views(self, kv_caches: list[torch.Tensor]) -> list[CacheViews]:
         """(slot dtype, keys, values, key slots, value slots) per layer: the cache [2, blocks,
@@ -231,7 +230,8 @@ def _bind_native(plan: DecodePlan, layers: list[LayerPlan]) -> Any | None:
         norms += [layer.input_norm, layer.post_norm]
         for call in (layer.qkv, layer.o, layer.gate_up, layer.down):
             if isinstance(call, RowGemmCall) and call.kernel is ext.row_gemm:
-                if call.weight.dtype != plan.dtype:
+                bias = call.bias
+                if call.weight.dtype != plan.dtype or not (bias is None or bias.is_contiguous()):
                     return None
                 products.append((call.weight, call.bias, 0))
             elif isinstance(call, TileCall) and not call.float32_out:
