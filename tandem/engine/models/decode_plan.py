@@ -23,7 +23,8 @@ model dtype (`row_gemm`, or `quant_gemm` into bfloat16: a `RowGemmCall` or `Tile
 caches hold the model dtype, the same calls run as one call of the extension
 (`csrc/decode_layers.cpp`: the kernels in the same order on the same values, bit for bit),
 without the loop's ~250 Python calls and slices and the output tensor each allocated; other
-routes, tensor parallelism's all-reduces and quantized caches keep the Python loop.
+routes, tensor parallelism's all-reduces, quantized caches and a layer-skip draft's first
+layers keep the Python loop.
 """
 
 from __future__ import annotations
