@@ -5,19 +5,7 @@
 
 #include "native.h"
 
-#include <cstring>
-
 namespace {
-
-isa::Rows rows_of(const at::Tensor& t) {
-  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.scalar_type()};
-}
-
-// columns [first, first + count) of a buffer's rows
-isa::Rows columns(const at::Tensor& t, int64_t first, int64_t count) {
-  return {static_cast<char*>(t.data_ptr()) + first * t.element_size(), t.size(0), count,
-          t.stride(0), t.scalar_type()};
-}
 
 const isa::Rows kNone{nullptr, 0, 0, 0, at::kFloat};
 
@@ -165,8 +153,7 @@ void DecodeLayers::run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor 
   const at::Tensor h = buffer(hidden), qkv = buffer(products_[0].out), attended = buffer(q_size),
                    projected = buffer(hidden), gate_up = buffer(products_[2].out),
                    act = buffer(products_[2].out / 2), mlp_out = buffer(hidden);
-  const isa::Rows q = columns(qkv, 0, q_size), k = columns(qkv, q_size, kv_size);
-  const int64_t row_bytes = kv_size * qkv.element_size();
+  const isa::Rows q{qkv.data_ptr(), n, q_size, qkv.stride(0), dtype_};  // [q | k | v]'s q
   {
     pybind11::gil_scoped_release release;
     for (int64_t l = 0; l < layers; ++l) {
@@ -175,15 +162,9 @@ void DecodeLayers::run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor 
       kernels_.rms_norm(rows_of(x), l ? rows_of(mlp_out) : kNone,
                         norms_[2 * l].data_ptr<float>(), eps_, rows_of(h));
       multiply(p[0], h, qkv);
-      kernels_.rotary(q, k, rows_of(cos), rows_of(sin), head_dim_);
       const at::Tensor &keys = keys_[l], &values = values_[l];
-      for (int64_t i = 0; i < n; ++i) {  // the new keys and values into their slots
-        const char* row = static_cast<const char*>(qkv.data_ptr()) + i * qkv.stride(0) * qkv.element_size();
-        std::memcpy(static_cast<char*>(keys.data_ptr()) + slot[i] * row_bytes,
-                    row + q_size * qkv.element_size(), row_bytes);
-        std::memcpy(static_cast<char*>(values.data_ptr()) + slot[i] * row_bytes,
-                    row + (q_size + kv_size) * qkv.element_size(), row_bytes);
-      }
+      rotate_and_store(kernels_, rows_of(qkv), q_size, kv_size, rows_of(cos), rows_of(sin),
+                       head_dim_, keys.data_ptr(), values.data_ptr(), slot);
       kernels_.paged_attention({q, rows_of(attended), keys.data_ptr(), values.data_ptr(),
                                 dtype_, block_tables.data_ptr<int64_t>(),
                                 context_lens.data_ptr<int64_t>(),

@@ -19,10 +19,6 @@ void check_rows(const at::Tensor& t, const char* name) {
               name, ": a 2-D float32 / bfloat16 / float16 CPU tensor, unit stride within a row");
 }
 
-isa::Rows rows_of(const at::Tensor& t) {
-  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.scalar_type()};
-}
-
 }  // namespace
 
 at::Tensor rms_norm(const isa::Kernels& kernels, at::Tensor x,
@@ -115,6 +111,22 @@ void scatter_rows(at::Tensor dst, at::Tensor index, at::Tensor src) {
           src.stride(0) * src.element_size(), row_bytes);
 }
 
+void rotate_and_store(const isa::Kernels& kernels, const isa::Rows& qkv, int64_t q_size,
+                      int64_t kv_size, const isa::Rows& cos, const isa::Rows& sin,
+                      int64_t head_dim, void* keys, void* values, const int64_t* slot) {
+  const int64_t bytes = c10::elementSize(qkv.dtype), row_bytes = kv_size * bytes;
+  char* base = static_cast<char*>(qkv.data);
+  const isa::Rows q{base, qkv.rows, q_size, qkv.stride, qkv.dtype},
+      k{base + q_size * bytes, qkv.rows, kv_size, qkv.stride, qkv.dtype};
+  kernels.rotary(q, k, cos, sin, head_dim);
+  for (int64_t i = 0; i < qkv.rows; ++i) {
+    const char* row = base + i * qkv.stride * bytes;
+    std::memcpy(static_cast<char*>(keys) + slot[i] * row_bytes, row + q_size * bytes, row_bytes);
+    std::memcpy(static_cast<char*>(values) + slot[i] * row_bytes,
+                row + (q_size + kv_size) * bytes, row_bytes);
+  }
+}
+
 void rotary_store(const isa::Kernels& kernels, at::Tensor qkv, int64_t q_size, at::Tensor cos,
                   at::Tensor sin, int64_t head_dim, at::Tensor key_slots,
                   at::Tensor value_slots, at::Tensor index) {
@@ -128,16 +140,10 @@ void rotary_store(const isa::Kernels& kernels, at::Tensor qkv, int64_t q_size, a
                 "key/value slots: contiguous [num_slots, ", kv_size, "] of qkv's dtype");
   check_index(index, qkv.size(0), std::min(key_slots.size(0), value_slots.size(0)));
   const isa::Rows all = rows_of(qkv);
-  const int64_t bytes = c10::elementSize(all.dtype);
-  char* base = static_cast<char*>(all.data);
-  const auto columns = [&](int64_t first, int64_t count) {
-    return isa::Rows{base + first * bytes, all.rows, count, all.stride, all.dtype};
-  };
-  const isa::Rows q = columns(0, q_size), k = columns(q_size, kv_size);
+  const isa::Rows q{all.data, all.rows, q_size, all.stride, all.dtype},
+      k{static_cast<char*>(all.data) + q_size * qkv.element_size(), all.rows, kv_size,
+        all.stride, all.dtype};
   check_rotary(q, k, cos, sin, head_dim);
-  kernels.rotary(q, k, rows_of(cos), rows_of(sin), head_dim);
-  const int64_t stride = all.stride * bytes;
-  scatter(key_slots, index, base + q_size * bytes, all.rows, stride, kv_size * bytes);
-  scatter(value_slots, index, base + (q_size + kv_size) * bytes, all.rows, stride,
-          kv_size * bytes);
+  rotate_and_store(kernels, all, q_size, kv_size, rows_of(cos), rows_of(sin), head_dim,
+                   key_slots.data_ptr(), value_slots.data_ptr(), index.data_ptr<int64_t>());
 }

@@ -16,6 +16,11 @@
 #include <tuple>
 #include <vector>
 
+// A 2-D tensor's rows as the kernels take them.
+inline isa::Rows rows_of(const at::Tensor& t) {
+  return {t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.scalar_type()};
+}
+
 // Short-query attention over a paged KV cache (kernels/attention.h).
 at::Tensor paged_attention(const isa::Kernels& kernels, at::Tensor q,
                               at::Tensor key_cache, at::Tensor value_cache,
@@ -49,6 +54,11 @@ void scatter_rows(at::Tensor dst, at::Tensor index, at::Tensor src);
 void rotary_store(const isa::Kernels& kernels, at::Tensor qkv, int64_t q_size, at::Tensor cos,
                   at::Tensor sin, int64_t head_dim, at::Tensor key_slots,
                   at::Tensor value_slots, at::Tensor index);
+// rotary_store on checked inputs: qkv's rows [q | k | v] (q_size, kv_size wide), slot rows of
+// kv_size elements of qkv's dtype at `keys` / `values`, slot[i] in range (decode_layers.cpp).
+void rotate_and_store(const isa::Kernels& kernels, const isa::Rows& qkv, int64_t q_size,
+                      int64_t kv_size, const isa::Rows& cos, const isa::Rows& sin,
+                      int64_t head_dim, void* keys, void* values, const int64_t* slot);
 
 // int4 / int8 weight tiles (quant/tiles.py) times bfloat16 rows [rows, in] -> bfloat16 (or,
 // `float32_out`, float32) [rows, out] (quant_gemm.cpp, kernels/quant_gemm.h).

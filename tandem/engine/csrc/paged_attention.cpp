@@ -34,10 +34,7 @@ at::Tensor paged_attention(const isa::Kernels& kernels, at::Tensor q,
   const int64_t num_kv_heads = key_cache.size(2);
   TORCH_CHECK((q.size(1) / head_dim) % num_kv_heads == 0, "query heads per KV head");
   auto out = at::empty(q.sizes(), q.options());
-  const auto rows = [](const at::Tensor& t) {
-    return isa::Rows{t.data_ptr(), t.size(0), t.size(1), t.stride(0), t.scalar_type()};
-  };
-  kernels.paged_attention({rows(q), rows(out), key_cache.data_ptr(), value_cache.data_ptr(),
+  kernels.paged_attention({rows_of(q), rows_of(out), key_cache.data_ptr(), value_cache.data_ptr(),
                            cache_dtype, block_tables.data_ptr<int64_t>(),
                            context_lens.data_ptr<int64_t>(), query_starts.data_ptr<int64_t>(),
                            block_tables.size(0), block_tables.size(1), key_cache.size(1),
