@@ -1,5 +1,7 @@
-"""GGUF loading: the real SmolLM2 file against transformers' GGUF loader, and tiny GGUF files
-written here (quantized, Q/K-permuted the way llama.cpp's converter does) read back exactly."""
+"""GGUF loading: the real SmolLM2 file's tokenizer, and tiny GGUF files written here (quantized,
+Q/K-permuted the way llama.cpp's converter does) read back exactly. The real file's weights and
+config against transformers' GGUF loader: test_smollm2_greedy.py, which loads it once for them
+and for its greedy tokens."""
 
 import re
 from collections.abc import Callable
@@ -15,7 +17,6 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     PretrainedConfig,
-    PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
 )
@@ -27,43 +28,6 @@ Q = gguf.GGMLQuantizationType
 
 
 # --- the real model ---------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def hf_gguf_model(smollm2_path: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-
-
-@pytest.mark.slow
-def test_weights_match_transformers(smollm2_path: Path, hf_gguf_model: PreTrainedModel) -> None:
-    ours = dict(iter_weights(smollm2_path))
-    theirs = hf_gguf_model.state_dict()
-    # The file has no output.weight: lm_head is tied, and transformers lists it anyway.
-    assert ours.keys() == theirs.keys() - {"lm_head.weight"}
-    for name, tensor in ours.items():
-        assert tensor.dtype == torch.float32
-        # Max abs difference rather than assert_close: several times faster on 135M weights.
-        diff = (tensor - theirs[name]).abs().max().item()
-        assert diff <= 1e-6, f"{name}: max |ours - transformers| = {diff}"
-
-
-@pytest.mark.slow
-def test_config_matches_transformers(smollm2_path: Path, hf_gguf_model: PreTrainedModel) -> None:
-    hf = hf_gguf_model.config
-    cfg = load_config(smollm2_path)
-    assert cfg.architecture == "llama"
-    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
-        hf.vocab_size,
-        hf.hidden_size,
-        hf.intermediate_size,
-        hf.num_hidden_layers,
-    )
-    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
-    assert cfg.rms_norm_eps == hf.rms_norm_eps
-    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] == 100000.0
-    assert cfg.max_position_embeddings == hf.max_position_embeddings
-    assert cfg.tie_word_embeddings and hf.tie_word_embeddings
-    assert (cfg.bos_token_id, cfg.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
 
 
 @pytest.mark.slow

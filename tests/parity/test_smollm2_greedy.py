@@ -1,11 +1,17 @@
-"""Golden greedy output: the engine on the real SmolLM2-135M-Instruct GGUF against transformers.
+"""The real SmolLM2-135M-Instruct GGUF against transformers: the weights and config as
+transformers' own GGUF loader reads them, and the engine's greedy output token for token.
 
-The reference is a dense transformers `LlamaForCausalLM` holding the same dequantized fp32 weights
-(`iter_weights`), generating greedily one prompt at a time. The engine must equal it token for
-token on chat-templated Spec-Bench prompts, one request at a time and all in one batch. Both sides
-suppress EOS for all 64 tokens (`min_tokens` / `min_new_tokens`), so every request runs to length.
-(`ignore_eos` would not pair with `min_new_tokens`: as in vLLM it only keeps EOS from ending the
-request, so EOS can still be picked; the translation prompt picks it at output token 36.)
+Two transformers references hold the file's weights in float32: a dense `LlamaForCausalLM` built
+from our loader's tensors (`iter_weights`), and the model transformers' GGUF loader builds on its
+own. On chat-templated Spec-Bench prompts, one request at a time and all in one batch, each must
+pick the engine's greedy tokens: one forward of a reference over prompt + the engine's tokens
+gives its argmax at each output position given the tokens before it, so where every position's
+argmax is the engine's token, the reference's own greedy decoding yields the same tokens (by
+induction over the positions), at a fifth of the time of its 64 decode steps. Both sides
+suppress EOS for all 64 tokens (`min_tokens`; EOS logits set to -inf in the reference, as
+`min_new_tokens` does), so every request runs to length. (`ignore_eos` would not pair with
+`min_new_tokens`: as in vLLM it only keeps EOS from ending the request, so EOS can still be
+picked; the translation prompt picks it at output token 36.)
 """
 
 from __future__ import annotations
@@ -55,21 +61,32 @@ def hf_dense(smollm2_path: Path) -> PreTrainedModel:
     return hf
 
 
-def hf_greedy(hf: PreTrainedModel, prompt: list[int]) -> list[int]:
+@pytest.fixture(scope="module")
+def hf_gguf(smollm2_path: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+def hf_choices(
+    hf: PreTrainedModel, eos: list[int], prompt: list[int], tokens: list[int]
+) -> list[int]:
+    """The reference's greedy pick at each of `tokens`' positions, given the tokens before it."""
     with torch.no_grad():
-        out = hf.generate(
-            torch.tensor([prompt]),
-            do_sample=False,
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-        )
-    return out[0, len(prompt) :].tolist()
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0]  # [len - 1, vocab]
+    logits[:, eos] = -math.inf  # as min_new_tokens does
+    choices: list[int] = logits[len(prompt) - 1 :].argmax(dim=-1).tolist()
+    return choices
 
 
 @pytest.fixture(scope="module")
-def reference(hf_dense: PreTrainedModel, prompts: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy tokens, one prompt at a time (no padding in play)."""
-    return [hf_greedy(hf_dense, p) for p in prompts]
+def eos(smollm2_path: Path) -> list[int]:
+    return list(load_config(smollm2_path).eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def ours_one_at_a_time(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outputs = [llm.generate(p, GREEDY)[0] for p in prompts]
+    assert all(o.finish_reason == "length" for o in outputs)
+    return [o.token_ids for o in outputs]
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +100,16 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     )
 
 
-def assert_same_tokens(ours: list[list[int]], ref: list[list[int]]) -> None:
-    for i, (o, r) in enumerate(zip(ours, ref, strict=True)):
-        assert len(r) == NEW_TOKENS
-        n = common_prefix(o, r)
-        assert o == r, (
-            f"{CATEGORIES[i]}: first difference at output token {n} ({o[n:][:4]} vs {r[n:][:4]})"
+def assert_reference_picks(
+    hf: PreTrainedModel, eos: list[int], prompts: list[list[int]], ours: list[list[int]]
+) -> None:
+    for category, prompt, o in zip(CATEGORIES, prompts, ours, strict=True):
+        assert len(o) == NEW_TOKENS
+        theirs = hf_choices(hf, eos, prompt, o)
+        n = common_prefix(o, theirs)
+        assert o == theirs, (
+            f"{category}: first difference at output token {n} (ours {o[n]}, transformers "
+            f"{theirs[n]})"
         )
 
 
@@ -97,36 +118,62 @@ def test_prompts_vary_in_length(prompts: list[list[int]]) -> None:
     assert min(map(len, prompts)) < 50 and max(map(len, prompts)) > 150
 
 
+def test_weights_match_transformers(smollm2_path: Path, hf_gguf: PreTrainedModel) -> None:
+    ours = dict(iter_weights(smollm2_path))
+    theirs = hf_gguf.state_dict()
+    # The file has no output.weight: lm_head is tied, and transformers lists it anyway.
+    assert ours.keys() == theirs.keys() - {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.float32
+        # Max abs difference rather than assert_close: several times faster on 135M weights.
+        diff = (tensor - theirs[name]).abs().max().item()
+        assert diff <= 1e-6, f"{name}: max |ours - transformers| = {diff}"
+
+
+def test_config_matches_transformers(smollm2_path: Path, hf_gguf: PreTrainedModel) -> None:
+    hf = hf_gguf.config
+    cfg = load_config(smollm2_path)
+    assert cfg.architecture == "llama"
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
+        hf.vocab_size,
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.num_hidden_layers,
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
+    assert cfg.rms_norm_eps == hf.rms_norm_eps
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] == 100000.0
+    assert cfg.max_position_embeddings == hf.max_position_embeddings
+    assert cfg.tie_word_embeddings and hf.tie_word_embeddings
+    assert (cfg.bos_token_id, cfg.eos_token_ids) == (hf.bos_token_id, (hf.eos_token_id,))
+
+
 def test_one_request_at_a_time_matches_transformers(
-    llm: LLM, prompts: list[list[int]], reference: list[list[int]]
+    hf_dense: PreTrainedModel,
+    eos: list[int],
+    prompts: list[list[int]],
+    ours_one_at_a_time: list[list[int]],
 ) -> None:
-    outputs = [llm.generate(p, GREEDY)[0] for p in prompts]
-    assert all(o.finish_reason == "length" for o in outputs)
-    assert_same_tokens([o.token_ids for o in outputs], reference)
+    assert_reference_picks(hf_dense, eos, prompts, ours_one_at_a_time)
 
 
 def test_one_batch_matches_transformers(
-    ours_batched: list[list[int]], reference: list[list[int]]
+    hf_dense: PreTrainedModel,
+    eos: list[int],
+    prompts: list[list[int]],
+    ours_batched: list[list[int]],
 ) -> None:
-    assert_same_tokens(ours_batched, reference)
+    assert_reference_picks(hf_dense, eos, prompts, ours_batched)
 
 
 def test_transformers_gguf_loader_agrees(
-    smollm2_path: Path, reference: list[list[int]], prompts: list[list[int]]
+    hf_gguf: PreTrainedModel,
+    eos: list[int],
+    prompts: list[list[int]],
+    ours_one_at_a_time: list[list[int]],
 ) -> None:
-    """transformers' own GGUF loading of the file picks the dense reference's greedy tokens.
-
-    One forward over prompt + reference per prompt rather than 64 decode steps: its argmax at each
-    output position is the token greedy decoding picks there, at a fraction of the time."""
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
-    eos = list(load_config(smollm2_path).eos_token_ids)
-    theirs = []
-    for prompt, ref in zip(prompts, reference, strict=True):
-        with torch.no_grad():
-            logits = hf(torch.tensor([prompt + ref[:-1]])).logits[0]  # [len - 1, vocab]
-        logits[:, eos] = -math.inf  # as min_new_tokens does
-        theirs.append(logits[len(prompt) - 1 :].argmax(dim=-1).tolist())
-    assert_same_tokens(theirs, reference)
+    """transformers' own GGUF loading of the file picks the engine's greedy tokens too."""
+    assert_reference_picks(hf_gguf, eos, prompts, ours_one_at_a_time)
 
 
 # nats: two bfloat16 steps of a logit between 16 and 32, where SmolLM2's highest logits lie
