@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from kv_transfer import Arrival, KVReceiver, KVTicket, TransferError, TransferState
 from kv_transfer.state import FailureCause
 from tandem.engine.shared_kv import move_into_shared_file, shm_available
@@ -37,8 +39,9 @@ from tandem.engine.tp.ranks import RankContext, RankLink
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.005  # how long an idle rank waits for an order at a time
-ORDER_POLL_S = 0.002  # how often a rank with reservations looks for orders and arrivals
+# How often a rank with reservations looks for orders and arrivals; one without waits for its
+# next order (`Mailbox.wait`).
+ORDER_POLL_S = 0.002
 EXPECT_TIMEOUT_S = 30.0  # how long rank 0 waits for the ranks to reserve a request's blocks
 
 
@@ -78,9 +81,13 @@ def serve_rank(
 def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
     while not ctx.stopping.is_set():
         try:
-            order = ctx.orders.get()
+            busy = len(receiver) > 0
+            order = ctx.orders.get() if busy else ctx.orders.wait()
+            if ctx.stopping.is_set():
+                return
             if order is None:
-                time.sleep(ORDER_POLL_S if len(receiver) else IDLE_POLL_S)
+                if busy:
+                    time.sleep(ORDER_POLL_S)
             else:
                 kind, key, *args = order
                 if kind == "expect":
@@ -93,6 +100,9 @@ def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
                     receiver.cancel(key)
             for a in receiver.poll():
                 ctx.reports.put(("arrived", a.request_key, a.error, a.nbytes))
+        except dist.DistNetworkError:  # rank 0's store is gone, rank 0 with it
+            log.warning("KV rank %d: rank 0 is gone; no more orders", ctx.rank)
+            return
         except Exception:  # a bad order fails its request (its deadline), not the others
             log.exception("KV rank %d", ctx.rank)
 
@@ -233,6 +243,8 @@ class RankReceivers:
         self.rank_bytes[0] += sum(a.nbytes for a in arrivals if a.error is None)
         if not self.links:
             return arrivals
+        if not self._pending:  # reports come for pending requests: no store round trip else
+            return []
         for a in arrivals:
             if a.request_key in self._pending:
                 self._pending[a.request_key].own = a

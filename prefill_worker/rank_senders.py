@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from kv_transfer import KVSender, KVTicket, OutboundTransfer
 from kv_transfer.fanout import RankStream, rank_streams
@@ -38,7 +39,9 @@ from tandem.engine.tp.ranks import RankContext, RankLink
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.005  # how long an idle rank waits for an order at a time
+# How often a rank with pairs open and no stream looks for orders (`report` closes the pairs idle
+# for the sender's `pair_idle_s`); one with neither waits for its next order (`Mailbox.wait`).
+IDLE_POLL_S = 0.005
 # Layer readiness goes to the ranks at most this often (and after the last layer): every layer of
 # a long prompt (each takes longer), a few of a short one's (an order costs its step ~0.1 ms).
 READY_EVERY_S = 0.005
@@ -79,12 +82,19 @@ class _RankStreams:
     def run(self) -> None:
         while not self.ctx.stopping.is_set():
             try:
-                order = self.ctx.orders.get()
+                busy = bool(self.streams) or len(self.sender.pairs) > 0
+                order = self.ctx.orders.get() if busy else self.ctx.orders.wait()
+                if self.ctx.stopping.is_set():
+                    return
                 if order is None:
-                    time.sleep(ORDER_POLL_S if self.streams else IDLE_POLL_S)
+                    if busy:
+                        time.sleep(ORDER_POLL_S if self.streams else IDLE_POLL_S)
                 else:
                     self.take(*order)
                 self.report()
+            except dist.DistNetworkError:  # rank 0's store is gone, rank 0 with it
+                log.warning("KV rank %d: rank 0 is gone; no more orders", self.ctx.rank)
+                return
             except Exception:  # a bad order fails its transfer (its deadline), not the others
                 log.exception("KV rank %d", self.ctx.rank)
 
@@ -315,6 +325,8 @@ class RankSenders:
                 done.append(t)
             else:
                 owner.stream_ended(t)
+        if not self._transfers:  # reports come for transfers in flight: no store round trip else
+            return done
         for link in self.links:
             while (report := link.reports.get()) is not None:
                 key, error, nbytes = report

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import torch
@@ -29,12 +30,29 @@ def _caches() -> list[torch.Tensor]:  # two layers, one KV head a rank
     return [torch.zeros(2, BLOCKS, BLOCK_SIZE, 1, HEAD_DIM) for _ in range(2)]
 
 
+class CountingStore:
+    """Test double: a store that counts the `check` calls made through it (a rank's polls)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.checks = 0
+
+    def check(self, keys: list[str]) -> bool:
+        self.checks += 1
+        return self.store.check(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
 class Ranks:
     """Rank 0's `RankReceivers` over rank 1's service, and what a test does to rank 1."""
 
     def __init__(self) -> None:
         store = dist.HashStore()
-        self.ctx = RankContext(1, 2, _caches(), Mailbox(store, "orders"), Mailbox(store, "reports"))
+        self.rank_store = CountingStore(store)  # rank 1's end
+        orders = Mailbox(cast(dist.Store, self.rank_store), "orders")
+        self.ctx = RankContext(1, 2, _caches(), orders, Mailbox(store, "reports"))
         started = serve_rank(
             "fp", "127.0.0.1", False, False, [range(0, 1), range(1, 2)], 2, self.ctx
         )
@@ -59,10 +77,8 @@ class Ranks:
         raise AssertionError(f"{key!r} was not reported within {within_s} s")
 
     def close(self) -> None:
-        self.ctx.stopping.set()
         self.receivers.close()
-        for close in self.ctx.closers:
-            close()
+        self.ctx.stop()
 
 
 @pytest.fixture
@@ -96,6 +112,13 @@ def test_a_request_cancelled_while_reserving_is_never_reported(ranks: Ranks) -> 
     # the same key again: rank 1 no longer holds the first reservation ("already exists" else)
     ranks.receivers.reserve("gone", [3], 4)
     assert isinstance(ranks.reserved("gone"), KVTicket)
+
+
+def test_an_idle_rank_waits_for_its_next_order_rather_than_polling(ranks: Ranks) -> None:
+    time.sleep(0.3)
+    assert ranks.rank_store.checks == 0, "an idle rank polls its mailbox"
+    ranks.receivers.reserve("i", [6], 4)
+    assert isinstance(ranks.reserved("i"), KVTicket)
 
 
 def test_a_rank_that_stops_answering_times_the_request_out(

@@ -76,6 +76,14 @@ class RankContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     closers: list[Callable[[], None]] = field(default_factory=list)
 
+    def stop(self) -> None:
+        """End the service's loops (one waiting for an order is woken), then close what it
+        opened."""
+        self.stopping.set()
+        self.orders.wake()
+        for close in self.closers:
+            close()
+
 
 # A worker's service in each rank 1..: called once in the rank's process, it starts its threads
 # and returns what rank 0 learns of it (picklable); it must be picklable itself (a module's
@@ -369,29 +377,32 @@ def rank_main(
     try:
         main(config, model_path, group, service)
     finally:
-        for ctx in started:  # its threads end, then what it opened closes
-            ctx.stopping.set()
-            for close in ctx.closers:
-                close()
+        for ctx in started:
+            ctx.stop()
 
 
 _SERVICE_KEY = "service"
 
 
-def _mailboxes(store: dist.Store, rank: int) -> tuple[Mailbox, Mailbox]:
-    """Rank `rank`'s orders (from rank 0) and reports (to it)."""
+def _mailboxes(
+    store: dist.Store, rank: int, waiter: dist.Store | None = None
+) -> tuple[Mailbox, Mailbox]:
+    """Rank `rank`'s orders (from rank 0; `waiter`: the rank's connection to wait for them on)
+    and reports (to it)."""
     name = f"{_SERVICE_KEY}/{rank}"
-    return Mailbox(store, f"{name}/orders"), Mailbox(store, f"{name}/reports")
+    return Mailbox(store, f"{name}/orders", waiter), Mailbox(store, f"{name}/reports")
 
 
 def _run_service(
     port: int, rank: int, size: int, started: list[RankContext], caches: list[torch.Tensor]
 ) -> None:
-    """Rank `rank`: start rank 0's service over `caches`, on a store connection of its own
-    (its context joins `started`); what it returns (or raises) goes back to rank 0."""
+    """Rank `rank`: start rank 0's service over `caches`, on store connections of its own (one
+    to wait for orders on: `Mailbox.wait`; its context joins `started`); what it returns (or
+    raises) goes back to rank 0."""
     store = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
+    waiter = dist.TCPStore(HOST, port, is_master=False, timeout=LOAD_TIMEOUT)
     service: RankService = pickle.loads(store.get(_SERVICE_KEY))
-    orders, reports = _mailboxes(store, rank)
+    orders, reports = _mailboxes(store, rank, waiter)
     ctx = RankContext(rank, size, caches, orders, reports)
     started.append(ctx)
     try:
