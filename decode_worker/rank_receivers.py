@@ -79,6 +79,7 @@ def serve_rank(
 
 
 def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
+    generations: dict[str, int] = {}  # each reservation's, from its order: its reports carry it
     while not ctx.stopping.is_set():
         try:
             busy = len(receiver) > 0
@@ -91,15 +92,18 @@ def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
             else:
                 kind, key, *args = order
                 if kind == "expect":
+                    generation, *reservation = args
                     try:
-                        receiver.expect(key, *args)
-                        ctx.reports.put(("expected", key, None))
+                        receiver.expect(key, *reservation)
+                        generations[key] = generation
+                        ctx.reports.put(("expected", key, generation, None))
                     except ValueError as e:
-                        ctx.reports.put(("expected", key, str(e)))
+                        ctx.reports.put(("expected", key, generation, str(e)))
                 elif kind == "cancel":
                     receiver.cancel(key)
             for a in receiver.poll():
-                ctx.reports.put(("arrived", a.request_key, a.error, a.nbytes))
+                generation = generations.pop(a.request_key, -1)
+                ctx.reports.put(("arrived", a.request_key, generation, a.error, a.nbytes))
         except dist.DistNetworkError:  # rank 0's store is gone, rank 0 with it
             log.warning("KV rank %d: rank 0 is gone; no more orders", ctx.rank)
             return
@@ -111,6 +115,7 @@ def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
 class _Reserving:
     """A request whose ranks were told to reserve its blocks, until every rank has answered."""
 
+    generation: int  # the reservation's number: the ranks' reports of an earlier one are stale
     block_ids: list[int]
     num_tokens: int
     timeout_s: float
@@ -122,6 +127,7 @@ class _Reserving:
 class _Pending:
     """A request's reservations on every rank, until each has ended."""
 
+    generation: int
     own: Arrival | None = None  # rank 0's
     ranks: dict[int, tuple[TransferError | None, int]] = field(default_factory=dict)
     cancelled: bool = False
@@ -140,6 +146,7 @@ class RankReceivers:
         self._reserving: dict[str, _Reserving] = {}  # orders out, answers coming in
         self._ready: list[tuple[str, KVTicket | Exception]] = []  # for `reserved`
         self._pending: dict[str, _Pending] = {}  # tickets out, until every rank has reported
+        self._generations = 0  # reservations ordered so far
 
     @property
     def endpoint(self) -> str:
@@ -160,10 +167,15 @@ class RankReceivers:
             except ValueError as e:
                 self._ready.append((request_key, e))
             return
+        self._generations += 1
+        generation = self._generations
         for link in self.links:
-            link.orders.put(("expect", request_key, block_ids, num_tokens, timeout_s))
+            order = ("expect", request_key, generation, block_ids, num_tokens, timeout_s)
+            link.orders.put(order)
         deadline = time.monotonic() + EXPECT_TIMEOUT_S
-        self._reserving[request_key] = _Reserving(block_ids, num_tokens, timeout_s, deadline)
+        self._reserving[request_key] = _Reserving(
+            generation, block_ids, num_tokens, timeout_s, deadline
+        )
 
     def reserved(self) -> list[tuple[str, KVTicket | Exception]]:
         """Requests every rank has answered for since `reserve`, each once: the ticket that
@@ -195,7 +207,7 @@ class RankReceivers:
                     ticket = self.receiver.expect(
                         key, r.block_ids, r.num_tokens, r.timeout_s, self.targets
                     )
-                    self._pending[key] = _Pending()
+                    self._pending[key] = _Pending(r.generation)
                     ready.append((key, ticket))
                     continue
                 except ValueError as e:
@@ -205,15 +217,18 @@ class RankReceivers:
         return ready
 
     def _take(self, rank: int, report: tuple[Any, ...]) -> None:
-        kind, key, *args = report
+        """A rank's report; one of a reservation since cancelled, or of an earlier reservation
+        of the same key (read late: reports are read only while requests are in flight), is
+        dropped."""
+        kind, key, generation, *args = report
         if kind == "expected":
             reserving = self._reserving.get(key)
-            if reserving is not None:  # else cancelled since
+            if reserving is not None and reserving.generation == generation:
                 reserving.answers[rank] = args[0]
             return
         error, nbytes = args
         pending = self._pending.get(key)
-        if pending is not None:
+        if pending is not None and pending.generation == generation:
             pending.ranks[rank] = (error, nbytes)
         if error is None:
             self.rank_bytes[rank] += nbytes

@@ -39,8 +39,9 @@ from tandem.engine.tp.ranks import RankContext, RankLink
 
 log = logging.getLogger(__name__)
 
-# How often a rank with pairs open and no stream looks for orders (`report` closes the pairs idle
-# for the sender's `pair_idle_s`); one with neither waits for its next order (`Mailbox.wait`).
+# How often a rank with no stream in flight but pairs open (or a transfer not yet reported) looks
+# for orders (`report` closes the pairs idle for the sender's `pair_idle_s`); one with none of
+# these waits for its next order (`Mailbox.wait`).
 IDLE_POLL_S = 0.005
 # Layer readiness goes to the ranks at most this often (and after the last layer): every layer of
 # a long prompt (each takes longer), a few of a short one's (an order costs its step ~0.1 ms).
@@ -82,7 +83,7 @@ class _RankStreams:
     def run(self) -> None:
         while not self.ctx.stopping.is_set():
             try:
-                busy = bool(self.streams) or len(self.sender.pairs) > 0
+                busy = bool(self.streams) or len(self.sender) > 0 or len(self.sender.pairs) > 0
                 order = self.ctx.orders.get() if busy else self.ctx.orders.wait()
                 if self.ctx.stopping.is_set():
                     return

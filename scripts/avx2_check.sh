@@ -16,9 +16,9 @@
 # On a CPU with AVX-512 it says so and goes on: the figures are then not an AVX2 machine's (cap
 # the kernels with TANDEM_NATIVE_ISA=avx2 and call them a proxy, as docs/benchmarks.md does).
 set -euo pipefail
+OUT="$(realpath -m "${OUT:-$(dirname "$0")/../avx2-check}")"  # before the cd: as the caller meant
 cd "$(dirname "$0")/.."
-OUT="$(realpath -m "${OUT:-avx2-check}")"
-mkdir -p "$OUT"
+FAILED=0
 PARTS=("$@")
 [ ${#PARTS[@]} -gt 0 ] || PARTS=(suite tp quant pd)
 TP_TESTS=(tests/parity/test_tensor_parallel.py tests/parity/test_tensor_parallel_spec.py
@@ -31,6 +31,7 @@ for part in "${PARTS[@]}"; do
         exit 2 ;;
     esac
 done
+mkdir -p "$OUT"
 
 {
     date -u
@@ -51,6 +52,14 @@ timed() {  # timed NAME COMMAND...: its output to $OUT/NAME.log, its wall time a
     set -e
     echo "== $name: rc $rc, $(($(date +%s) - start)) s" | tee -a "$OUT/machine.txt"
     tail -n 3 "$OUT/$name.log"
+    [ "$rc" -eq 0 ] || FAILED=1
+}
+
+install() {  # the checkout's venv, as `make install` builds it
+    if ! make install >"$OUT/install.log" 2>&1; then
+        echo "avx2_check: make install failed (log: $OUT/install.log)" >&2
+        exit 1
+    fi
 }
 
 for part in "${PARTS[@]}"; do
@@ -59,22 +68,25 @@ for part in "${PARTS[@]}"; do
         clone="$(mktemp -d)"
         git clone -q . "$clone/tandem"
         mkdir "$clone/home"
-        timed suite env HOME="$clone/home" make -C "$clone/tandem" test
+        # nothing of this machine's: no model store, pip or build cache, native build
+        timed suite env -u TANDEM_HOME -u PIP_CACHE_DIR -u XDG_CACHE_HOME -u TORCH_EXTENSIONS_DIR \
+            HOME="$clone/home" make -C "$clone/tandem" test
         rm -rf "$clone"
         ;;
     tp)
-        make install >/dev/null
+        install
         timed tp .venv/bin/python -m pytest -q -rs --durations=5 -n 2 --dist loadfile "${TP_TESTS[@]}"
         ;;
     quant)
-        make install >/dev/null
+        install
         timed quant-install .venv/bin/python -m pip install -q -e '.[bench-ref]'
         timed quant .venv/bin/tandem bench quant --json "$OUT/bench-quant.json"
         ;;
     pd)
-        make install >/dev/null
+        install
         timed pd .venv/bin/tandem bench experiment pd --out "$OUT/pd"
         ;;
     esac
 done
 echo "avx2_check: done; logs and figures in $OUT"
+exit "$FAILED"

@@ -6,12 +6,13 @@ from our loader's tensors (`iter_weights`), and the model transformers' GGUF loa
 own. On chat-templated Spec-Bench prompts, one request at a time and all in one batch, each must
 pick the engine's greedy tokens: one forward of a reference over prompt + the engine's tokens
 gives its argmax at each output position given the tokens before it, so where every position's
-argmax is the engine's token, the reference's own greedy decoding yields the same tokens (by
-induction over the positions), at a fifth of the time of its 64 decode steps. Both sides
-suppress EOS for all 64 tokens (`min_tokens`; EOS logits set to -inf in the reference, as
-`min_new_tokens` does), so every request runs to length. (`ignore_eos` would not pair with
-`min_new_tokens`: as in vLLM it only keeps EOS from ending the request, so EOS can still be
-picked; the translation prompt picks it at output token 36.)
+argmax is the engine's token, the reference's greedy decoding by recomputation yields the same
+tokens (by induction over the positions; `generate`'s cached steps round differently in the
+last bits, which could flip only an exact near-tie), at a fifth of the time of its 64 decode
+steps. Both sides suppress EOS for all 64 tokens (`min_tokens`; EOS logits set to -inf in the
+reference, as `min_new_tokens` does), so every request runs to length. (`ignore_eos` would not
+pair with `min_new_tokens`: as in vLLM it only keeps EOS from ending the request, so EOS can
+still be picked; the translation prompt picks it at output token 36.)
 """
 
 from __future__ import annotations

@@ -114,6 +114,22 @@ def test_a_request_cancelled_while_reserving_is_never_reported(ranks: Ranks) -> 
     assert isinstance(ranks.reserved("gone"), KVTicket)
 
 
+def test_a_stale_answer_does_not_stand_for_a_new_reservation_of_the_same_key(
+    ranks: Ranks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 reads the ranks' reports only while requests are in flight, so the answers to a
+    reservation cancelled while reserving may still wait there when the key is reserved again:
+    they are the earlier reservation's, not the new one's."""
+    monkeypatch.setattr(rank_receivers, "EXPECT_TIMEOUT_S", 0.3)
+    ranks.receivers.reserve("again", [3], 4)
+    ranks.receivers.cancel("again")
+    time.sleep(0.3)  # rank 1 reserved, answered, cancelled and reported the end
+    ranks.ctx.stopping.set()  # it drops its next order and ends: no answer comes
+    ranks.receivers.reserve("again", [3], 4)
+    error = ranks.reserved("again")
+    assert isinstance(error, TransferError) and error.cause == FailureCause.TIMEOUT
+
+
 def test_an_idle_rank_waits_for_its_next_order_rather_than_polling(ranks: Ranks) -> None:
     time.sleep(0.3)
     assert ranks.rank_store.checks == 0, "an idle rank polls its mailbox"
@@ -125,7 +141,7 @@ def test_a_rank_that_stops_answering_times_the_request_out(
     ranks: Ranks, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(rank_receivers, "EXPECT_TIMEOUT_S", 0.3)
-    ranks.ctx.stopping.set()  # its order loop ends: no answer comes
+    ranks.ctx.stopping.set()  # it drops its next order and ends: no answer comes
     ranks.receivers.reserve("c", [4], 4)
     error = ranks.reserved("c")
     assert isinstance(error, TransferError) and error.cause == FailureCause.TIMEOUT
