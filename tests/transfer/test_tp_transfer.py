@@ -224,7 +224,9 @@ def test_replicated_kv_heads_across_tp_sizes(tiny_llama_path: Path, sides: tuple
 
 
 def test_killed_rank_takes_the_worker_out(tiny_llama_path: Path) -> None:
-    registry = Registry()
+    # the test's own reads wait out a stalled machine (a 1 s read once timed out here under
+    # load, two pytest processes on two cores); the worker's timeouts stay the default
+    registry = Registry(timeout_s=5.0)
     ttl = 3.0
     config = EngineConfig.create(
         str(tiny_llama_path), tensor_parallel_size=2, tp_timeout_s=ttl / 2, **OPTIONS
