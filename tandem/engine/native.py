@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
+    "bindings.cpp",  # the longest to compile (torch's and pybind11's headers): first
     "isa.cpp",
     "isa_generic.cpp",
     "isa_avx2.cpp",
@@ -48,7 +49,6 @@ SOURCES = (
     "quant_gemm.cpp",
     "row_gemm.cpp",
     "decode_layers.cpp",
-    "bindings.cpp",
 )
 HEADERS = (
     "native.h",
