@@ -20,9 +20,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-# How long `wait` waits for an item at most by default (a wait that times out logs two warning
-# lines of c10's; a stop wakes it anyway).
-WAIT_S = 3600.0
+# How long `wait` waits for an item at most by default: a day (a wait that times out logs two
+# warning lines of c10's, so not often; a stop wakes it, and rank 0's end fails it at once).
+WAIT_S = 86400.0
 
 
 class Mailbox:
