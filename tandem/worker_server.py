@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from types import FrameType
 from typing import Any, Protocol
 
 import grpc
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 PREFIX_SUMMARY_SIZE = 4096
 LOST_POLL_S = 0.1  # how often `serve_until` looks whether the worker is lost
+SIGNAL_POLL_S = 0.1  # how often a `DrainSignal` waiter looks whether the signal came
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -332,9 +334,9 @@ class WorkerServer:
         if hasattr(self, "_httpd"):
             self._httpd.shutdown()
 
-    def serve_until(self, stop: threading.Event) -> bool:
-        """Block until `stop` is set (see `drain_signal`), then drain: True. Or until the
-        worker is `lost`, then stop it: False."""
+    def serve_until(self, stop: DrainSignal) -> bool:
+        """Block until `stop` came (see `drain_signal`), then drain: True. Or until the worker
+        is `lost`, then stop it: False."""
         while not stop.wait(LOST_POLL_S):
             if self.lost.is_set():
                 self.stop()
@@ -344,12 +346,37 @@ class WorkerServer:
         return True
 
 
-def drain_signal() -> threading.Event:
-    """An event that SIGTERM or SIGINT sets. Install it before the server starts and registers,
-    so a signal that arrives during startup still drains and deregisters."""
-    stop = threading.Event()
+class DrainSignal:
+    """Whether SIGTERM or SIGINT came, once `drain_signal` installed it. Its handler only sets a
+    flag, and waiters look at it: a handler runs in the main thread between two bytecodes, maybe
+    while that thread holds a lock of `threading`'s (an Event's, inside its `wait` or `set`), and
+    taking that lock there waits forever. Seen: a worker whose launcher was SIGKILLed got a
+    second signal inside the first one's `Event.set` and never exited (1 run in 4, Zen 4)."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = True
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Whether a signal came, looking every SIGNAL_POLL_S until it did or `timeout_s`
+        passed (None: until it did)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.received:
+            left = SIGNAL_POLL_S if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                break
+            time.sleep(min(left, SIGNAL_POLL_S))
+        return self.received
+
+
+def drain_signal() -> DrainSignal:
+    """What SIGTERM or SIGINT sets, from now on. Install it before the server starts and
+    registers, so a signal that arrives during startup still drains and deregisters."""
+    stop = DrainSignal()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, stop.handle)
     return stop
 
 

@@ -14,7 +14,6 @@ is the host-process entry point (SIGTERM: stop every worker, which deregisters i
 from __future__ import annotations
 
 import argparse
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from tandem.cluster.local_cluster import stop_processes
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, WorkerConfig, child_environment
 from tandem.registry import Registry
-from tandem.worker_server import WorkerServer
+from tandem.worker_server import WorkerServer, drain_signal
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -186,9 +185,7 @@ def _host_main(argv: list[str]) -> None:
     import torch
 
     torch.set_num_threads(1)
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = drain_signal()
     servers = start_sim_workers(
         args.model,
         args.profile,
