@@ -351,7 +351,7 @@ class DrainSignal:
     flag, and waiters look at it: a handler runs in the main thread between two bytecodes, maybe
     while that thread holds a lock of `threading`'s (an Event's, inside its `wait` or `set`), and
     taking that lock there waits forever. Seen: a worker whose launcher was SIGKILLed got a
-    second signal inside the first one's `Event.set` and never exited (1 run in 4, Zen 4)."""
+    second signal inside the first one's `Event.set` and never exited (1 run in 5, Zen 4)."""
 
     def __init__(self) -> None:
         self.received = False

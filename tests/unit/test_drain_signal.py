@@ -27,6 +27,7 @@ def handlers() -> Iterator[None]:
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_sets_it(signum: int) -> None:
     stop = drain_signal()
+    assert signal.getsignal(signum) == stop.handle  # else the kill below ends pytest
     started = time.monotonic()
     assert not stop.wait(0.2)
     assert time.monotonic() - started >= 0.2
@@ -36,13 +37,17 @@ def test_a_signal_sets_it(signum: int) -> None:
 
 def test_signals_in_a_burst_while_the_main_thread_waits() -> None:
     stop = drain_signal()
+    assert signal.getsignal(signal.SIGTERM) == stop.handle
 
     def send() -> None:
         time.sleep(0.1)
         for _ in range(20):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=send).start()
+    sender = threading.Thread(target=send)
+    sender.start()
     started = time.monotonic()
     assert stop.wait(5.0)
     assert time.monotonic() - started < 2.0
+    sender.join()  # every signal sent while the handler is still there
+    time.sleep(0.1)  # and handled
