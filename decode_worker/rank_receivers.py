@@ -82,14 +82,10 @@ def _rank_loop(receiver: KVReceiver, ctx: RankContext) -> None:
     generations: dict[str, int] = {}  # each reservation's, from its order: its reports carry it
     while not ctx.stopping.is_set():
         try:
-            busy = len(receiver) > 0
-            order = ctx.orders.get() if busy else ctx.orders.wait()
+            order = ctx.next_order(ORDER_POLL_S if len(receiver) else None)
             if ctx.stopping.is_set():
                 return
-            if order is None:
-                if busy:
-                    time.sleep(ORDER_POLL_S)
-            else:
+            if order is not None:
                 kind, key, *args = order
                 if kind == "expect":
                     generation, *reservation = args

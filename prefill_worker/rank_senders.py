@@ -84,13 +84,11 @@ class _RankStreams:
         while not self.ctx.stopping.is_set():
             try:
                 busy = bool(self.streams) or len(self.sender) > 0 or len(self.sender.pairs) > 0
-                order = self.ctx.orders.get() if busy else self.ctx.orders.wait()
+                poll_s = (ORDER_POLL_S if self.streams else IDLE_POLL_S) if busy else None
+                order = self.ctx.next_order(poll_s)
                 if self.ctx.stopping.is_set():
                     return
-                if order is None:
-                    if busy:
-                        time.sleep(ORDER_POLL_S if self.streams else IDLE_POLL_S)
-                else:
+                if order is not None:
                     self.take(*order)
                 self.report()
             except dist.DistNetworkError:  # rank 0's store is gone, rank 0 with it

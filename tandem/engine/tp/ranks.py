@@ -85,6 +85,15 @@ class RankContext:
         for close in self.closers:
             close()
 
+    def next_order(self, poll_s: float | None) -> Any | None:
+        """Rank 0's next order for a service loop. With work in flight (`poll_s` given) the one
+        there now, else None after sleeping `poll_s`; with none, waiting for it. None once the
+        rank is stopping (the loop then ends)."""
+        order = self.orders.wait() if poll_s is None else self.orders.get()
+        if order is None and poll_s is not None and not self.stopping.is_set():
+            time.sleep(poll_s)
+        return None if self.stopping.is_set() else order
+
 
 # A worker's service in each rank 1..: called once in the rank's process, it starts its threads
 # and returns what rank 0 learns of it (picklable); it must be picklable itself (a module's
