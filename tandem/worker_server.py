@@ -13,14 +13,12 @@ without draining, and its process exits for its supervisor to replace the whole 
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from types import FrameType
 from typing import Any, Protocol
 
 import grpc
@@ -31,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kv_transfer.transfer_metrics import TransferMetrics
 from tandem.config import GRPC_OPTIONS, WorkerConfig
+from tandem.drain_signal import DrainSignal
 from tandem.engine.engine_core import EngineCore
 from tandem.engine.request import Request, RequestStatus
 from tandem.registry import Registry, WorkerRecord
@@ -40,7 +39,6 @@ log = logging.getLogger(__name__)
 
 PREFIX_SUMMARY_SIZE = 4096
 LOST_POLL_S = 0.1  # how often `serve_until` looks whether the worker is lost
-SIGNAL_POLL_S = 0.1  # how often a `DrainSignal` waiter looks whether the signal came
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -344,40 +342,6 @@ class WorkerServer:
         log.info("draining")
         self.drain()
         return True
-
-
-class DrainSignal:
-    """Whether SIGTERM or SIGINT came, once `drain_signal` installed it. Its handler only sets a
-    flag, and waiters look at it: a handler runs in the main thread between two bytecodes, maybe
-    while that thread holds a lock of `threading`'s (an Event's, inside its `wait` or `set`), and
-    taking that lock there waits forever. Seen: a worker whose launcher was SIGKILLed got a
-    second signal inside the first one's `Event.set` and never exited (1 run in 5, Zen 4)."""
-
-    def __init__(self) -> None:
-        self.received = False
-
-    def handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = True
-
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Whether a signal came, looking every SIGNAL_POLL_S until it did or `timeout_s`
-        passed (None: until it did)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not self.received:
-            left = SIGNAL_POLL_S if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                break
-            time.sleep(min(left, SIGNAL_POLL_S))
-        return self.received
-
-
-def drain_signal() -> DrainSignal:
-    """What SIGTERM or SIGINT sets, from now on. Install it before the server starts and
-    registers, so a signal that arrives during startup still drains and deregisters."""
-    stop = DrainSignal()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop.handle)
-    return stop
 
 
 def start_worker_server(

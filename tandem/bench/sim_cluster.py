@@ -27,8 +27,9 @@ from tandem.cluster.lifetime import arm_parent_death_signal, die_with_parent
 from tandem.cluster.local_cluster import stop_processes
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, WorkerConfig, child_environment
+from tandem.drain_signal import drain_signal
 from tandem.registry import Registry
-from tandem.worker_server import WorkerServer, drain_signal
+from tandem.worker_server import WorkerServer
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -363,7 +363,7 @@ def worker(
     ends it (exit code 1), for its supervisor to start again."""
     from tandem.cluster.workers import build_worker
     from tandem.config import WorkerConfig
-    from tandem.worker_server import drain_signal
+    from tandem.drain_signal import drain_signal
 
     if role not in ("prefill", "decode"):
         raise typer.BadParameter("must be prefill or decode", param_hint="ROLE")

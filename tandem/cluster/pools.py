@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tandem.cluster.autoscaler import Autoscaler, AutoscalerConfig, Decision
 from tandem.cluster.signals import ClusterSignals
 from tandem.config import EngineConfig, WorkerConfig
+from tandem.drain_signal import DrainSignal
 from tandem.engine.spec.factory import prefill_speculative
 from tandem.registry import ROLES, Registry
 
@@ -148,8 +149,12 @@ class WorkerActor:
         self._drain_lock = threading.Lock()  # one drain: SIGTERM's or the controller's
         self._drained = False
         self._ray_sigterm = signal.getsignal(signal.SIGTERM)
+        self._sigterm = DrainSignal()
         if threading.current_thread() is threading.main_thread():  # a sync actor's: always
-            signal.signal(signal.SIGTERM, self._drain_then_exit)
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+            threading.Thread(
+                target=self._drain_then_exit, name="drain-on-sigterm", daemon=True
+            ).start()
 
     def info(self) -> dict[str, str]:
         return {"worker_id": self.server.worker_id, "endpoint": self.server.endpoint}
@@ -165,20 +170,22 @@ class WorkerActor:
                 self.server.drain(timeout_s)
                 self._drained = True
 
-    def _drain_then_exit(self, signum: int, frame: FrameType | None) -> None:
-        """SIGTERM (its pod deleted, `ray stop`): drain on a thread, then exit through Ray's own
-        SIGTERM handler, put back now (so a second SIGTERM ends the process at once). Ray's
-        handler alone would exit at once and fail every request in flight. The main thread
-        stays free meanwhile: the controller's pings are answered until the process exits, and
-        then it replaces the worker."""
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        """SIGTERM (its pod deleted, `ray stop`): put Ray's own handler back (a second SIGTERM
+        ends the process at once) and set the flag `_drain_then_exit` waits for. Nothing more
+        here: see `DrainSignal` for why a handler takes no lock."""
         signal.signal(signal.SIGTERM, self._ray_sigterm)
+        self._sigterm.handle(signum, frame)
+
+    def _drain_then_exit(self) -> None:
+        """Once SIGTERM came: drain, then exit through Ray's handler. Ray's handler alone would
+        exit at once and fail every request in flight. The main thread stays free meanwhile:
+        the controller's pings are answered until the process exits, and then it replaces the
+        worker."""
+        self._sigterm.wait()
         log.info("SIGTERM: draining %s", self.server.worker_id)
-
-        def drain() -> None:
-            self.drain(self.drain_timeout_s)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=drain, name="drain-on-sigterm", daemon=True).start()
+        self.drain(self.drain_timeout_s)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 @dataclass

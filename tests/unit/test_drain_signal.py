@@ -1,4 +1,4 @@
-"""`drain_signal` (tandem/worker_server.py): SIGTERM and SIGINT set it, however many come and
+"""`drain_signal` (tandem/drain_signal.py): SIGTERM and SIGINT set it, however many come and
 whenever they come, and its `wait` ends with the signal or at its timeout. Its handler takes no
 lock: a second signal inside the first one's `Event.set` once left a worker waiting on the
 Event's lock forever (its launcher SIGKILLed, `tests/cluster/test_serve_stop.py`)."""
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tandem.worker_server import drain_signal
+from tandem.drain_signal import drain_signal
 
 
 @pytest.fixture(autouse=True)
