@@ -52,6 +52,7 @@ SOURCES = (
 )
 HEADERS = (
     "native.h",
+    "copy_rows.h",
     "isa.h",
     "isa_kernels.h",
     "simd.h",

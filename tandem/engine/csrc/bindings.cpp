@@ -2,9 +2,11 @@
 // that need no vector instructions at the top, and one submodule per instruction-set level with
 // the compute kernels built for it (`ext.avx2.row_gemm`, ...).
 
+#include "copy_rows.h"
 #include "native.h"
 
-#include <torch/extension.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>  // the tensor and dtype casters (torch/extension.h: 2x slower)
 
 #include <string>
 
@@ -17,8 +19,8 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
   py::module_ m = parent.def_submodule(k->name, "the kernels compiled for this level");
   m.def(
       "paged_attention",
-      [k](torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-          torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor query_starts,
+      [k](at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+          at::Tensor block_tables, at::Tensor context_lens, at::Tensor query_starts,
           int64_t head_dim, double scale) {
         return paged_attention(*k, q, key_cache, value_cache, block_tables, context_lens,
                                query_starts, head_dim, scale);
@@ -26,29 +28,29 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
       "short-query attention over a paged KV cache (output in the queries' dtype)");
   m.def(
       "rms_norm",
-      [k](torch::Tensor x, std::optional<torch::Tensor> delta, torch::Tensor weight, double eps,
-          torch::ScalarType dtype) { return rms_norm(*k, x, delta, weight, eps, dtype); },
+      [k](at::Tensor x, std::optional<at::Tensor> delta, at::Tensor weight, double eps,
+          at::ScalarType dtype) { return rms_norm(*k, x, delta, weight, eps, dtype); },
       "RMSNorm of x's rows (x += delta first, in place, when given)", py::arg("x"),
       py::arg("delta"), py::arg("weight"), py::arg("eps"), py::arg("dtype"));
   m.def(
-      "silu_mul", [k](torch::Tensor gate_up) { return silu_mul(*k, gate_up); },
+      "silu_mul", [k](at::Tensor gate_up) { return silu_mul(*k, gate_up); },
       "silu(gate) * up of [gate | up] rows");
   m.def(
       "rotary",
-      [k](torch::Tensor q, torch::Tensor key, torch::Tensor cos, torch::Tensor sin,
+      [k](at::Tensor q, at::Tensor key, at::Tensor cos, at::Tensor sin,
           int64_t head_dim) { rotary(*k, q, key, cos, sin, head_dim); },
       "RoPE of q's and k's heads in place (rotate-half convention)");
   m.def(
       "rotary_store",
-      [k](torch::Tensor qkv, int64_t q_size, torch::Tensor cos, torch::Tensor sin,
-          int64_t head_dim, torch::Tensor key_slots, torch::Tensor value_slots,
-          torch::Tensor index) {
+      [k](at::Tensor qkv, int64_t q_size, at::Tensor cos, at::Tensor sin,
+          int64_t head_dim, at::Tensor key_slots, at::Tensor value_slots,
+          at::Tensor index) {
         rotary_store(*k, qkv, q_size, cos, sin, head_dim, key_slots, value_slots, index);
       },
       "RoPE of [q | k | v] rows' q and k in place, then k and v into their KV slots");
   m.def(
       "quant_gemm",
-      [k](torch::Tensor x, torch::Tensor tiles, torch::Tensor scales_zeros, int64_t group_size,
+      [k](at::Tensor x, at::Tensor tiles, at::Tensor scales_zeros, int64_t group_size,
           bool float32_out) {
         return quant_gemm(*k, x, tiles, scales_zeros, group_size, float32_out);
       },
@@ -57,16 +59,16 @@ void bind_level(py::module_& parent, const isa::Kernels* k) {
       py::arg("float32_out") = false);
   m.def(
       "row_gemm",
-      [k](torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias) {
+      [k](at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
         return row_gemm(*k, x, weight, bias);
       },
       "x @ weight.T + bias for a few float32 / bfloat16 rows, each row on its own",
       py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
   m.def(
       "decode_layers",
-      [k](std::vector<torch::Tensor> norms, std::vector<ProductSpec> products, double eps,
+      [k](std::vector<at::Tensor> norms, std::vector<ProductSpec> products, double eps,
           int64_t head_dim, int64_t num_heads, int64_t num_kv_heads, double scale,
-          torch::ScalarType dtype) {
+          at::ScalarType dtype) {
         return DecodeLayers(*k, std::move(norms), std::move(products), eps, head_dim,
                             num_heads, num_kv_heads, scale, dtype);
       },

@@ -8,7 +8,7 @@
 // it writes by non-temporal stores, which skip reading the destination into the cache first
 // (a copy larger than the cache then runs near a sequential memcpy's speed).
 
-#include "native.h"
+#include "copy_rows.h"
 
 #include <Python.h>
 

@@ -5,6 +5,8 @@
 
 #include "native.h"
 
+#include <pybind11/gil.h>
+
 namespace {
 
 const isa::Rows kNone{nullptr, 0, 0, 0, at::kFloat};

@@ -5,11 +5,11 @@
 
 #include "isa.h"
 
-// Lean headers (a translation unit with torch/extension.h compiles in ~22 s, with these in ~8);
-// bindings.cpp alone includes torch/extension.h, for the tensor type casters.
+// Lean headers: ATen's tensor ones take ~5 s to compile, with pybind11/numpy.h ~12 s, and a
+// translation unit with torch/extension.h ~35 s (Zen 4). bindings.cpp alone includes torch's
+// pybind11 casters, copy_rows.h pybind11's NumPy header.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <pybind11/numpy.h>
 
 #include <cstdint>
 #include <optional>
@@ -26,14 +26,6 @@ at::Tensor paged_attention(const isa::Kernels& kernels, at::Tensor q,
                               at::Tensor key_cache, at::Tensor value_cache,
                               at::Tensor block_tables, at::Tensor context_lens,
                               at::Tensor query_starts, int64_t head_dim, double scale);
-
-// Row indices: contiguous int64 (another array is converted on the way in).
-using RowIndex = pybind11::array_t<int64_t, pybind11::array::c_style | pybind11::array::forcecast>;
-
-// dst rows [dst_rows] = src rows [src_rows], rows of `row_bytes` bytes (copy_rows.cpp).
-void copy_rows(pybind11::buffer dst, std::optional<RowIndex> dst_rows,
-               pybind11::buffer src, std::optional<RowIndex> src_rows,
-               int64_t row_bytes, bool stream);
 
 // The elementwise work of a decoder layer (layer_ops.cpp, kernels/layer_ops.h): 2-D float32 /
 // bfloat16 / float16 tensors, rows at any stride.

@@ -3,6 +3,8 @@
 
 #include "native.h"
 
+#include <pybind11/gil.h>
+
 at::Tensor row_gemm(const isa::Kernels& kernels, at::Tensor x, at::Tensor weight,
                        std::optional<at::Tensor> bias) {
   const auto dtype = weight.scalar_type();
