@@ -27,6 +27,8 @@ from tandem.v1 import worker_pb2 as wpb
 from tandem.v1 import worker_pb2_grpc as wpb_grpc
 
 RPC_TIMEOUT_S = 60.0
+SMOL = "smollm2-135m"  # the `smol` cluster's model
+TINY_TTL_S = 1.5  # the `tiny` cluster's heartbeat TTL
 T = TypeVar("T")
 
 

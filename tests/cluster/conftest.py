@@ -19,13 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster_helpers import running
+from cluster_helpers import SMOL, TINY_TTL_S, running
 
 from tandem.cluster.local_cluster import LocalCluster, WorkerProcess
 from tandem.config import RouterConfig
 from tandem.engine import LLM
-
-SMOL = "smollm2-135m"
 
 
 class SpecPairCluster(LocalCluster):
@@ -66,9 +64,6 @@ def tiny_long_path(tiny_llama_path: Path, tmp_path_factory: pytest.TempPathFacto
     config["max_position_embeddings"] = 8192
     (path / "config.json").write_text(json.dumps(config))
     return path
-
-
-TINY_TTL_S = 1.5
 
 
 @pytest.fixture(scope="module")

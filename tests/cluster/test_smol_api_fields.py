@@ -25,6 +25,7 @@ import jsonschema
 import openai
 import pytest
 from cluster_helpers import (
+    SMOL,
     generate_request,
     grpc_error,
     grpc_generate,
@@ -35,7 +36,6 @@ from cluster_helpers import (
     wait_workers_idle,
     workers,
 )
-from conftest import SMOL
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 

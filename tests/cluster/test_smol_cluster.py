@@ -29,6 +29,7 @@ import openai
 import pytest
 from cluster_helpers import (
     RPC_TIMEOUT_S,
+    SMOL,
     grpc_error,
     grpc_generate,
     grpc_stream,
@@ -40,7 +41,6 @@ from cluster_helpers import (
     worker_stats,
     workers,
 )
-from conftest import SMOL
 
 from router.router_server import RouterServer
 from tandem.cluster.local_cluster import LocalCluster

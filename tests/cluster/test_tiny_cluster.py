@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import pytest
+from cluster_helpers import TINY_TTL_S as TTL_S
 from cluster_helpers import (
     grpc_generate,
     grpc_stream,
@@ -27,7 +28,6 @@ from cluster_helpers import (
     worker_stats,
     workers,
 )
-from conftest import TINY_TTL_S as TTL_S
 
 from tandem.cluster.local_cluster import LocalCluster
 from tandem.prefix_hash import block_hashes, prefix_key
