@@ -190,6 +190,9 @@ class DecodeWorker(EngineLoop):
 
     # -- loop thread --------------------------------------------------------------------------
 
+    def in_flight(self) -> bool:
+        return super().in_flight() or bool(self._tickets) or len(self.receiver) > 0
+
     def before_step(self) -> None:
         for arrival in self.arrivals.poll():
             self._arrived(arrival)

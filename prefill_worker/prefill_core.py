@@ -192,6 +192,9 @@ class PrefillWorker(EngineLoop):
             else:
                 transfer.finish(*trailer)
 
+    def in_flight(self) -> bool:
+        return super().in_flight() or len(self.outbound) > 0
+
     def before_step(self) -> None:
         for key, transfer in self._transfers.items():
             if key not in self._sourced and key not in self._prefill_done:
