@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +136,13 @@ def take_parent_pid() -> int | None:
 def child_environment(**defaults: str) -> dict[str, str]:
     """This process's environment for a child, with `defaults` where it sets nothing."""
     return {**defaults, **os.environ}
+
+
+def take_environment(env: Mapping[str, str]) -> None:
+    """Make `env` this process's whole environment (a forked child takes its launcher's of the
+    moment: tandem/engine/tp/ranks.py)."""
+    os.environ.clear()
+    os.environ.update(env)
 
 
 @contextmanager

@@ -28,7 +28,13 @@ from tandem.engine.models import load_model
 from tandem.engine.quant.layer import QuantizedLinear
 from tandem.engine.quant.model import quantize_weight
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.ranks import KEEPALIVE_S, TensorParallelError, TPModelRunner, rank_device
+from tandem.engine.tp.ranks import (
+    KEEPALIVE_S,
+    Ranks,
+    TensorParallelError,
+    TPModelRunner,
+    rank_device,
+)
 from tandem.engine.tp.shard import Shard, check_tensor_parallel
 from tandem.model_config import ModelConfig
 from tandem.sampling_params import SamplingParams
@@ -381,6 +387,28 @@ def test_bad_split_refused(
 def test_natural_splits_accepted() -> None:
     smollm2 = _cfg(num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536)
     check_tensor_parallel(smollm2, 3, "int4", 32)
+
+
+def write_the_mark(config: EngineConfig, model_path: Path, group: TPGroup, service: object) -> None:
+    """A rank's main (test double): its environment's TANDEM_TEST_MARK into the file it names."""
+    Path(os.environ["TANDEM_TEST_MARK_FILE"]).write_text(os.environ.get("TANDEM_TEST_MARK", "-"))
+
+
+def test_each_rank_starts_with_rank_0s_environment_of_the_moment(
+    tiny_llama_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Local ranks fork from a server started with the first of them: what rank 0's environment
+    says later (a TANDEM_NATIVE_ISA cap, a TANDEM_HOME) must still reach the later ones."""
+    config = EngineConfig.create(str(tiny_llama_path), tensor_parallel_size=2, num_threads=1)
+    for mark in ("first", "second"):
+        monkeypatch.setenv("TANDEM_TEST_MARK", mark)
+        monkeypatch.setenv("TANDEM_TEST_MARK_FILE", str(tmp_path / mark))
+        ranks = Ranks.start(config, tiny_llama_path, write_the_mark)
+        try:
+            ranks.handles[0].join(30)
+            assert (tmp_path / mark).read_text() == mark
+        finally:
+            ranks.kill()
 
 
 def test_engine_refuses_before_starting_ranks(smollm2_path: Path) -> None:

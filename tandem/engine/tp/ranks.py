@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import pickle
 import threading
 import time
@@ -40,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, child_environment, take_environment
 from tandem.engine.attention import SeqSpec
 from tandem.engine.dtypes import model_device
 from tandem.engine.runner import ModelInput, ModelRunner, StepResult
@@ -276,7 +275,7 @@ class LocalProcesses(RankLauncher):
 
     def launch(self, ranks: list[RankArgs]) -> list[RankHandle]:
         context = _rank_context()
-        env = dict(os.environ)
+        env = child_environment()
         processes = [
             context.Process(
                 target=_local_rank, args=(env, *args), name=f"tandem-tp-rank-{args[3]}", daemon=True
@@ -302,8 +301,7 @@ def _rank_context() -> Any:
 def _local_rank(env: dict[str, str], *args: Any) -> None:
     """A local rank: rank 0's environment as it is now (the fork server's is as it was when it
     started), then `rank_main`."""
-    os.environ.clear()
-    os.environ.update(env)
+    take_environment(env)
     rank_main(*args)
 
 
