@@ -2,7 +2,8 @@
 with the gRPC health following readiness on the same loop.
 
 `RouterServer` runs that loop on a thread (the local launcher and tests use it);
-`tandem router` blocks on it until interrupted.
+`tandem router` blocks on it until interrupted. `stop()` closes both APIs to new requests at
+once and lets the requests in flight on either finish, for up to STOP_GRACE_S.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ from tandem.config import RouterConfig
 from tandem.registry import AbortListener, Registry, RegistrySnapshot
 
 log = logging.getLogger(__name__)
+
+# Once the router stops, the requests in flight on either API have this long to finish (then
+# gRPC cancels its calls and the HTTP connections close). Until 7 December gRPC's calls had 1 s
+# and only once the HTTP ones were done, and gRPC took new calls meanwhile: a stream admitted
+# then ended CANCELLED (1 run in 8 of tests/chaos/test_chaos_ray_stop.py, Zen 4).
+STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class RouterServer:
         self.router: Router | None = None
         self.address: RouterAddress | None = None
         self._uvicorn: uvicorn.Server | None = None
+        self._stopping: asyncio.Future[None] | None = None  # done once stop() is called
         self._abort_listener: AbortListener | None = None
 
     def start(self, timeout_s: float = 60.0) -> RouterAddress:
@@ -93,9 +101,12 @@ class RouterServer:
             readiness_period_s=self.refresh_s,
         )
         await grpc_server.start()
+        self._stopping = self._loop.create_future()
         following = asyncio.create_task(readiness.follow())
         app = build_app(self.router, metrics, self.admin_token, self.controller)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="off", timeout_graceful_shutdown=int(STOP_GRACE_S)
+        )
         self._uvicorn = uvicorn.Server(config)
         http_port = self._http_socket.getsockname()[1]
         self.address = RouterAddress(f"http://{self.host}:{http_port}", f"{self.host}:{grpc_port}")
@@ -103,9 +114,9 @@ class RouterServer:
         while not self._uvicorn.started and not serving.done():
             await asyncio.sleep(0.01)
         self._ready.set()
-        await serving
+        await asyncio.wait([serving, self._stopping], return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.gather(serving, grpc_server.stop(STOP_GRACE_S))  # both drain at once
         following.cancel()
-        await grpc_server.stop(1.0)
         await self.router.close()
 
     def _forward_abort(self, request_id: str) -> int:
@@ -117,13 +128,21 @@ class RouterServer:
             return 0
 
     def stop(self) -> None:
+        """Refuse new requests on both APIs, let those in flight finish (up to STOP_GRACE_S),
+        then close."""
         if self._uvicorn is not None:
             self._uvicorn.should_exit = True
-        self._thread.join(10.0)
+        if self._stopping is not None:
+            self._loop.call_soon_threadsafe(self._begin_stop)
+        self._thread.join(STOP_GRACE_S + 5.0)
         if self._abort_listener is not None:
             self._abort_listener.close()
         self.snapshot.close()
         self.registry.close()
+
+    def _begin_stop(self) -> None:
+        if self._stopping is not None and not self._stopping.done():
+            self._stopping.set_result(None)
 
     def wait(self) -> None:
         self._thread.join()
