@@ -22,7 +22,6 @@ reads its reports through a pair of `Mailbox`es per rank.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import pickle
 import threading
 import time
@@ -291,7 +290,7 @@ def _rank_context() -> Any:
     """Fork from a server that imported torch and the engine once, where there is one; a spawned
     rank imports them itself, ~2 s of a core each (a TP 4 engine of the tiny test model starts
     in 2.3 s against 5.0 spawned, Zen 4). The server is rank 0's child and ends with it."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in torch.multiprocessing.get_all_start_methods():
         return torch.multiprocessing.get_context("spawn")
     context = torch.multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])
