@@ -30,18 +30,22 @@ pytestmark = pytest.mark.timeout(60)
 
 class EndlessDecode(worker_pb2_grpc.DecodeWorkerServicer):
     """Test double of a decode worker: prefills locally, then streams token 65 every 20 ms
-    until the call is cancelled (counted in `cancelled`)."""
+    until the call is cancelled (counted in `cancelled`, by gRPC's termination callback: a
+    generator cancelled while its response is being sent is never resumed)."""
 
     def __init__(self) -> None:
         self.cancelled = 0
 
+    def _count_cancel(self) -> None:
+        self.cancelled += 1  # the stream is endless: its call ends only when it is cancelled
+
     def Decode(self, request: Any, context: Any) -> Iterator[worker_pb2.DecodeResponse]:
+        context.add_callback(self._count_cancel)
         key = request.request.request_id
         yield worker_pb2.DecodeResponse(ticket=kv_transfer_pb2.KVTicket(request_key=key))
         while context.is_active():
             yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenChunk(token_ids=[65]))
             time.sleep(0.02)
-        self.cancelled += 1
 
 
 @dataclass
