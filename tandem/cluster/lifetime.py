@@ -1,31 +1,28 @@
 """How a launcher and the processes it starts end together.
 
 - `die_with_parent()`: the environment of a child that must end with this process; the child
-  calls `arm_parent_death_signal()` first thing, which sets `PR_SET_PDEATHSIG` (SIGTERM, Linux),
-  so a launcher killed by SIGKILL takes its worker processes with it. A process group alone does
-  not: its members live on when the leader dies. The child arms it itself rather than in a
-  `preexec_fn`: Python code between fork and exec ran gRPC's fork handlers in the child, which
-  abort it (SIGABRT) while other threads of the launcher use gRPC (its router; seen starting a
-  cluster after a test's gRPC clients); without one, `subprocess` can vfork and exec at once.
+  calls `arm_parent_death_signal()` first thing, which arms the parent-death signal
+  (`tandem/parent_death.py`), so a launcher killed by SIGKILL takes its worker processes with it.
+  The child arms it itself rather than in a `preexec_fn`: Python code between fork and exec ran
+  gRPC's fork handlers in the child, which abort it (SIGABRT) while other threads of the launcher
+  use gRPC (its router; seen starting a cluster after a test's gRPC clients); without one,
+  `subprocess` can vfork and exec at once.
 - `interrupt_on_sigterm()`: SIGTERM (how Kubernetes and systemd stop a process) raises
   KeyboardInterrupt in the main thread, so the launcher stops its cluster as it does on Ctrl-C.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
-import sys
 from collections.abc import Mapping
 from types import FrameType
 
+from tandem import parent_death
 from tandem.config import PARENT_PID_ENV, child_environment, take_parent_pid
 
 log = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def die_with_parent(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -40,12 +37,8 @@ def arm_parent_death_signal() -> None:
     at once if it has died already. The variable goes, so this process's own children do not
     take it for theirs. A no-op anywhere else, and off Linux."""
     parent = take_parent_pid()
-    if parent is None or not sys.platform.startswith("linux"):
-        return
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
-    if os.getppid() != parent:  # the launcher died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
+    if parent is not None:
+        parent_death.arm(parent)
 
 
 def interrupt_on_sigterm() -> None:

@@ -82,7 +82,7 @@ def registry_url(log: Path) -> str:
 
 def started_processes(session: int, registry: str | None = None) -> set[int]:
     """The live processes of the launcher's session (Ray's included: none starts one of its
-    own) and, given its URL, the embedded redis-server (a daemon in a session of its own, named
+    own) and, given its URL, the embedded redis-server (in a session of its own, named
     by its socket)."""
     socket = registry.removeprefix("unix://") if registry else None
     found = set()

@@ -5,7 +5,7 @@
   its streams held; a router started again on the same ports serves the same greedy outputs;
 - SIGTERM to `tandem serve --no-ray` (how Kubernetes and systemd stop it): every request ends
   (completed while the cluster drains, or refused once it stopped), the launcher exits 0, and no
-  process is left, checked by pid (every process naming the cluster's registry, the daemonized
+  process is left, checked by pid (every process naming the cluster's registry, the embedded
   redis-server included) and by process group.
 """
 
@@ -148,7 +148,9 @@ def serving(model: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 def registry_url_of(launcher: int) -> str:
     """The registry the launcher gave its worker processes (`--redis URL`)."""
-    cmdline = psutil.Process(launcher).children()[0].cmdline()
+    (cmdline, *_) = (
+        p.cmdline() for p in psutil.Process(launcher).children() if "--redis" in p.cmdline()
+    )
     return cmdline[cmdline.index("--redis") + 1]
 
 

@@ -1,7 +1,7 @@
 """`tandem serve --no-ray` ends with everything it started: SIGTERM stops it as Ctrl-C does
-(router, worker processes, embedded redis-server), its worker processes die with it even when
-it is SIGKILLed (`PR_SET_PDEATHSIG`), and a worker process that dies is started again. Sim
-workers on the tiny model: they start fast."""
+(router, worker processes, embedded redis-server), its worker processes and its redis-server die
+with it even when it is SIGKILLed (the parent-death signal), and a worker process that dies is
+started again. Sim workers on the tiny model: they start fast."""
 
 from __future__ import annotations
 
@@ -49,20 +49,16 @@ def serving(model: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 
 def started_processes(launcher: int) -> list[psutil.Process]:
-    """The worker processes of the launcher and its embedded redis-server (daemonized, so not its
-    child: found by the socket the workers were given, which its process title names)."""
-    workers = psutil.Process(launcher).children()
-    assert len(workers) == 2, [w.cmdline() for w in workers]
-    url = workers[0].cmdline()[workers[0].cmdline().index("--redis") + 1]
-    socket = url.removeprefix("unix://")
-    redis = [
-        p
-        for p in psutil.process_iter(["name", "cmdline"])
-        if p.info["name"] == "redis-server"
-        and any(socket in arg for arg in p.info["cmdline"] or [])
+    """The launcher's children: its two worker processes and its embedded redis-server."""
+    children = psutil.Process(launcher).children()
+    assert sorted(p.name() == "redis-server" for p in children) == [False, False, True], [
+        p.cmdline() for p in children
     ]
-    assert len(redis) == 1, socket
-    return workers + redis
+    return children
+
+
+def worker_processes(launcher: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(launcher).children() if p.name() != "redis-server"]
 
 
 def alive_after(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
@@ -82,12 +78,14 @@ def test_sigterm_stops_the_launcher_its_workers_and_redis(
 
 
 @pytest.mark.timeout(180)
-def test_workers_die_with_a_sigkilled_launcher(tiny_llama_path: Path, tmp_path: Path) -> None:
+def test_workers_and_redis_die_with_a_sigkilled_launcher(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
     with serving(tiny_llama_path, tmp_path / "serve.log") as launcher:
-        workers = psutil.Process(launcher.pid).children()
+        children = started_processes(launcher.pid)
         launcher.kill()
         launcher.wait()
-        assert alive_after(workers, STOP_TIMEOUT_S) == []
+        assert alive_after(children, STOP_TIMEOUT_S) == []
 
 
 @pytest.mark.timeout(180)
@@ -95,11 +93,11 @@ def test_a_killed_worker_is_started_again(tiny_llama_path: Path, tmp_path: Path)
     log = tmp_path / "serve.log"
     with serving(tiny_llama_path, log) as launcher:
         url = re.search(r"HTTP (http://\S+)", log.read_text()).group(1)  # type: ignore[union-attr]
-        (victim, *_) = psutil.Process(launcher.pid).children()
+        (victim, *_) = worker_processes(launcher.pid)
         victim.kill()
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:  # a new process in its place, registered and serving
-            pids = {p.pid for p in psutil.Process(launcher.pid).children()}
+            pids = {p.pid for p in worker_processes(launcher.pid)}
             if victim.pid not in pids and len(pids) == 2 and answers(url):
                 break
             assert time.monotonic() < deadline, f"no worker came back:\n{log.read_text()}"

@@ -8,6 +8,8 @@ import multiprocessing
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from multiprocessing.synchronize import Event
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import redis
 
@@ -26,7 +29,6 @@ from tandem.registry import (
     _EmbeddedRedis,
     wait_until_listening,
 )
-from tandem.supervisor import process_alive
 
 
 def make_record(
@@ -519,14 +521,53 @@ def test_an_embedded_server_is_waited_for_until_it_listens(tmp_path: Path) -> No
             server.stop()
 
 
-def test_an_embedded_server_is_known_by_its_pid_and_stopped() -> None:
-    """Its pid comes from the server (its pidfile appears after the socket, so reading that
-    could give 0): the supervisor watches that process, and `stop()` ends it."""
+def test_an_embedded_server_is_our_child_and_stopped() -> None:
+    """The server is a child of this process (the pid it reports is the one its supervisor
+    watches), started by the supervisor's thread, and `stop()` ends it."""
     server = _EmbeddedRedis()
-    pid = server._pid
-    assert pid > 0 and process_alive(pid)
+    process = psutil.Process(server.pid)
+    assert process.ppid() == os.getpid() and process.name() == "redis-server"
+    assert wait_until_listening(server.socket_path, timeout_s=5.0) == server.pid
     server.stop()
-    deadline = time.monotonic() + 10.0
-    while process_alive(pid):
-        assert time.monotonic() < deadline, "the embedded redis-server outlived stop()"
-        time.sleep(0.05)
+    assert not process.is_running()  # reaped by stop()
+
+
+def test_an_embedded_server_outlives_the_thread_that_started_it() -> None:
+    """The parent-death signal follows the thread that forked the server: its supervisor's, not
+    the caller's, which may end first."""
+    servers: list[_EmbeddedRedis] = []
+    thread = threading.Thread(target=lambda: servers.append(_EmbeddedRedis()))
+    thread.start()
+    thread.join()
+    (server,) = servers
+    try:
+        time.sleep(0.2)  # the signal would have come by now
+        assert wait_until_listening(server.socket_path, timeout_s=1.0) == server.pid
+        assert server.supervisor.restarts == 0
+    finally:
+        server.stop()
+
+
+def test_an_embedded_server_dies_with_its_sigkilled_owner(tmp_path: Path) -> None:
+    """An owner killed outright (SIGKILL, the OOM killer) runs no cleanup: the server gets
+    SIGTERM from the kernel (the parent-death signal) and leaves, as the workers of
+    `tandem serve --no-ray` do."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_THAT_PRINTS_ITS_SERVER], stdout=subprocess.PIPE, text=True
+    )
+    assert owner.stdout is not None
+    pid = int(owner.stdout.readline())
+    server = psutil.Process(pid)
+    assert server.name() == "redis-server"
+    owner.kill()
+    owner.wait()
+    server.wait(10.0)  # psutil.TimeoutExpired if it outlives its owner
+
+
+OWNER_THAT_PRINTS_ITS_SERVER = """
+import time
+from tandem.registry import Registry
+registry = Registry()
+print(registry._server.pid, flush=True)
+time.sleep(60)
+"""

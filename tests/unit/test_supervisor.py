@@ -1,17 +1,14 @@
-"""The process supervisor: restarts with backoff, and the liveness check it relies on."""
+"""The process supervisor: restarts with backoff, and a first start on its own thread."""
 
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import pytest
 
-from tandem.supervisor import ProcessSupervisor, process_alive
+from tandem.supervisor import ProcessSupervisor
 
 
 def test_a_dead_process_is_restarted_after_failed_tries_with_backoff() -> None:
@@ -60,15 +57,26 @@ def test_bad_timings_are_refused(
         )  # fmt: skip
 
 
-def test_process_alive_counts_a_zombie_as_dead() -> None:
-    assert process_alive(os.getpid())
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    deadline = time.monotonic() + 10
-    while process_alive(child.pid) and time.monotonic() < deadline:
-        time.sleep(0.01)  # exited, not yet reaped: a zombie
-    assert not process_alive(child.pid)
-    assert child.wait(10) == 0
-    assert not process_alive(child.pid)  # reaped: gone
+def test_a_launch_runs_on_the_watcher_thread_and_its_error_is_the_caller_s() -> None:
+    threads: list[threading.Thread] = []
+    supervisor = ProcessSupervisor(
+        "launched", lambda: True, lambda: threads.append(threading.current_thread())
+    )
+    supervisor.start(launch=True)
+    try:
+        assert len(threads) == 1 and threads[0] is not threading.current_thread()
+        assert threads[0].name == "supervisor-launched" and threads[0].is_alive()
+    finally:
+        supervisor.stop()
+    assert not threads[0].is_alive()  # a child armed with the parent-death signal ends now
+
+    def fail() -> None:
+        raise OSError("redis-server: no such file")
+
+    failing = ProcessSupervisor("failing", lambda: False, fail, poll_s=0.01)
+    with pytest.raises(OSError, match="no such file"):
+        failing.start(launch=True)
+    failing.stop()  # nothing to stop: the failed launch watched nothing
 
 
 def test_a_process_that_keeps_dying_at_once_is_restarted_ever_more_slowly() -> None:

@@ -1,0 +1,51 @@
+"""The parent-death signal (Linux `PR_SET_PDEATHSIG`): SIGTERM to a process when the thread that
+started it ends, or its whole launcher dies (SIGKILL and the OOM killer included). A process
+group alone does not do that: its members live on when the leader dies.
+
+- `arm(parent)`: in a child running our code, first thing (`tandem/cluster/lifetime.py`).
+- `command(argv)`: `argv` run through `python -m tandem.parent_death PARENT PROGRAM ARGS...`,
+  which arms it, then execs PROGRAM (the signal survives `exec`): for a program that is not ours,
+  such as the embedded redis-server (`tandem/registry.py`).
+
+The signal follows the *thread* that started the child: start it from a thread that lives as long
+as the child should. Neither way runs Python between fork and exec in the launcher's child: a
+`preexec_fn` there runs gRPC's fork handlers, which abort the child while other threads of the
+launcher use gRPC. Off Linux, nothing is armed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def arm(parent: int) -> None:
+    """SIGTERM to this process when the thread of process `parent` that started it ends; at once
+    if `parent` has died already."""
+    if not sys.platform.startswith("linux"):
+        return
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
+    if os.getppid() != parent:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def command(argv: Sequence[str]) -> list[str]:
+    """`argv` as a command whose process ends with the thread of this process that starts it."""
+    return [sys.executable, "-m", __name__, str(os.getpid()), *argv]
+
+
+def _exec(args: Sequence[str]) -> NoReturn:
+    parent, program, *rest = args
+    arm(int(parent))
+    os.execvp(program, [program, *rest])
+
+
+if __name__ == "__main__":
+    _exec(sys.argv[1:])
