@@ -3,7 +3,7 @@ started it ends, or its whole launcher dies (SIGKILL and the OOM killer included
 group alone does not do that: its members live on when the leader dies.
 
 - `arm(parent)`: in a child running our code, first thing (`tandem/cluster/lifetime.py`).
-- `command(argv)`: `argv` run through `python -m tandem.parent_death PARENT PROGRAM ARGS...`,
+- `command(argv)`: `argv` run through `python -I .../parent_death.py PARENT PROGRAM ARGS...`,
   which arms it, then execs PROGRAM (the signal survives `exec`): for a program that is not ours,
   such as the embedded redis-server (`tandem/registry.py`).
 
@@ -16,11 +16,14 @@ launcher use gRPC. Off Linux, nothing is armed.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
+
+log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -31,14 +34,18 @@ def arm(parent: int) -> None:
     if not sys.platform.startswith("linux"):
         return
     prctl = ctypes.CDLL(None, use_errno=True).prctl
-    prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM))
+    if prctl(ctypes.c_int(PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGTERM)) != 0:
+        error = ctypes.get_errno()  # a seccomp profile that forbids it, say
+        log.warning("PR_SET_PDEATHSIG failed (%s): this process may outlive its launcher",
+                    os.strerror(error))  # fmt: skip
     if os.getppid() != parent:  # the launcher died before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
 
 
 def command(argv: Sequence[str]) -> list[str]:
-    """`argv` as a command whose process ends with the thread of this process that starts it."""
-    return [sys.executable, "-m", __name__, str(os.getpid()), *argv]
+    """`argv` as a command whose process ends with the thread of this process that starts it.
+    This file runs as a script in isolated mode: it needs the standard library only."""
+    return [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), *argv]
 
 
 def _exec(args: Sequence[str]) -> NoReturn:

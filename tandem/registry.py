@@ -245,6 +245,7 @@ class _EmbeddedRedis:
         self._dir = tempfile.mkdtemp(prefix="tandem-redis-")
         self.socket_path = socket_path or os.path.join(self._dir, "redis.socket")
         config = os.path.join(self._dir, "redis.conf")
+        self._log = os.path.join(self._dir, "redis.log")  # its output, its start's errors too
         with open(config, "w") as f:
             f.write(
                 REDIS_CONFIG.format(
@@ -259,8 +260,8 @@ class _EmbeddedRedis:
         )
         try:
             self.supervisor.start(launch=True)
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
+        except BaseException:  # a failed start, or Ctrl-C during it
+            self.stop()
             raise
 
     @property
@@ -276,21 +277,25 @@ class _EmbeddedRedis:
 
     def _start(self) -> None:
         """Start redis-server (it replaces a dead server's socket file) and wait until it
-        answers; a server that does not is killed."""
-        process = subprocess.Popen(
-            self._command,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        answers; a server that does not is killed, and its log's end is in the error."""
+        with open(self._log, "ab") as log_file:
+            process = subprocess.Popen(
+                self._command,
+                stdin=subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             pid = wait_until_listening(self.socket_path, READY_TIMEOUT_S, process)
             if pid != process.pid:
                 raise RuntimeError(f"another redis-server ({pid}) answers on {self.socket_path}")
-        except BaseException:
+        except BaseException as error:
             process.kill()
             process.wait()
+            with open(self._log, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace")
+            error.add_note(f"{self._log}:\n{tail}")
             raise
         self._process = process
 
@@ -310,7 +315,7 @@ class _EmbeddedRedis:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-# The embedded server's redis.conf: a unix socket only, no persistence, logs in its dir.
+# The embedded server's redis.conf: a unix socket only, no persistence, logs to its stdout.
 REDIS_CONFIG = """\
 port 0
 unixsocket {socket}
@@ -319,14 +324,21 @@ daemonize no
 save ""
 appendonly no
 dir {dir}
-logfile redis.log
 """
 STOP_TIMEOUT_S = 5.0  # from SIGTERM to SIGKILL for the embedded redis-server
 
 
 def quote_config(value: str) -> str:
-    """`value` as one argument of a redis.conf directive."""
-    return json.dumps(value)
+    """`value` as one argument of a redis.conf directive: in double quotes, every byte of its
+    UTF-8 other than printable ASCII as \\xHH (redis's parser reads no \\u escapes)."""
+    return (
+        '"'
+        + "".join(
+            chr(b) if 32 <= b < 127 and chr(b) not in '"\\' else f"\\x{b:02x}"
+            for b in value.encode()
+        )
+        + '"'
+    )
 
 
 SENTINEL_SCHEME = "redis+sentinel://"

@@ -81,7 +81,8 @@ class ProcessSupervisor:
         if launched is not None:
             try:
                 launched.result()
-            except BaseException:
+            except BaseException:  # the launch failed, or Ctrl-C while waiting for it
+                self._stop.set()
                 thread.join()
                 self._thread = None
                 raise

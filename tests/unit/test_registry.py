@@ -532,6 +532,26 @@ def test_an_embedded_server_is_our_child_and_stopped() -> None:
     assert not process.is_running()  # reaped by stop()
 
 
+def test_an_embedded_server_takes_any_socket_path(tmp_path: Path) -> None:
+    """Spaces, quotes, a backslash and non-ASCII in the path reach redis.conf intact."""
+    place = tmp_path / 'a "b\\ é'
+    place.mkdir()
+    server = _EmbeddedRedis(socket_path=str(place / "r.sock"))
+    try:
+        assert wait_until_listening(str(place / "r.sock"), timeout_s=1.0) == server.pid
+    finally:
+        server.stop()
+
+
+def test_an_embedded_server_that_cannot_start_says_why_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RuntimeError, match="exited with") as failed:
+        _EmbeddedRedis(socket_path=str(tmp_path / "no-such-dir" / "r.sock"))
+    assert "No such file or directory" in "".join(failed.value.__notes__)  # redis-server's log
+    assert not [p for p in psutil.Process().children() if p.name() == "redis-server"]
+
+
 def test_an_embedded_server_outlives_the_thread_that_started_it() -> None:
     """The parent-death signal follows the thread that forked the server: its supervisor's, not
     the caller's, which may end first."""

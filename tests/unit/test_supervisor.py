@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import threading
 import time
+from types import FrameType
 
 import pytest
 
@@ -77,6 +80,36 @@ def test_a_launch_runs_on_the_watcher_thread_and_its_error_is_the_caller_s() -> 
     with pytest.raises(OSError, match="no such file"):
         failing.start(launch=True)
     failing.stop()  # nothing to stop: the failed launch watched nothing
+
+
+class Interrupted(Exception):
+    """As Ctrl-C's KeyboardInterrupt, raised by a test's signal handler."""
+
+
+def test_an_interrupted_wait_for_a_launch_stops_the_watcher() -> None:
+    """Ctrl-C while the caller waits for the launch: the launch finishes (its process then
+    ends with the thread), and the watcher stops instead of running on unowned."""
+    release = threading.Event()
+    supervisor = ProcessSupervisor("slow", lambda: True, lambda: release.wait(10), poll_s=0.01)
+
+    def interrupt() -> None:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        release.set()  # the launch succeeds after the interrupt
+
+    def raise_interrupted(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, raise_interrupted)
+    timer = threading.Timer(0.1, interrupt)
+    try:
+        timer.start()
+        with pytest.raises(Interrupted):
+            supervisor.start(launch=True)  # returns: the watcher was told to stop
+    finally:
+        timer.join()
+        signal.signal(signal.SIGUSR1, previous)
+    assert supervisor._thread is None and release.is_set()
 
 
 def test_a_process_that_keeps_dying_at_once_is_restarted_ever_more_slowly() -> None:
