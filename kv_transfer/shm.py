@@ -7,8 +7,8 @@ worker attaches by path. Each rank of a tensor-parallel decode worker shares its
 the KV heads it holds (rank 0's created here, ranks 1..'s moved into files of their own:
 decode_worker/rank_receivers.py; the ticket's `ranks` name them), and each stream of a per-rank
 transfer writes its heads of one of them (docs/kv_transfer.md). A file is unlinked when its
-creator closes it, or by the next `create` on the host once the creator is gone (killed);
-mappings already made stay valid until they are dropped.
+creator closes it, or by the next `create` or close on the host once the creator is gone
+(killed); mappings already made stay valid until they are dropped.
 
 CPU tensors only; a CUDA cache plays the same role through CUDA IPC (`cuda_ipc.py`), and
 `SharedCacheAttachments` opens either kind by the locator in the ticket.

@@ -3,9 +3,10 @@
 A tensor-parallel worker's ranks 1.. move their caches into such a file when rank 0 asks
 (tp/ranks.py), and a decode worker computes in one (kv_transfer/shm.py), so that a same-host
 prefill worker maps every rank's cache by its path and writes a request's KV straight into it.
-A file is named with its creator's pid: `remove_stale_files` (called by each `create`) unlinks
-those whose creator is gone (killed without cleanup); mappings already made stay valid until
-they are dropped.
+A file is named with its creator's pid: `remove_stale_files` (called by each `create` and
+`unlink`) unlinks those whose creator is gone (killed without cleanup), so a cluster that stops
+cleanly leaves none of them, whichever of its workers were killed before; mappings already made
+stay valid until they are dropped.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class SharedKVFile:
         return list(storage.view(self.num_layers, *self.layer_shape).unbind(0))
 
     def unlink(self) -> None:
+        """Unlink this file, and those of creators that are gone."""
         Path(self.path).unlink(missing_ok=True)
+        remove_stale_files()
 
 
 def move_into_shared_file(caches: list[torch.Tensor]) -> SharedKVFile:
