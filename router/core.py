@@ -243,7 +243,7 @@ class Router:
         """Tokenize and validate; raises RouterError before any worker is involved."""
         self._check_model(model)
         tokens = self._prompt_tokens(prompt, prompt_token_ids, messages, chat_template)
-        if timeout_s < 0:
+        if not timeout_s >= 0:  # NaN too
             raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
         # Unset max_tokens: the rest of the context. The engine resolves it against its own
         # context and KV cache (tandem/engine/engine_core.py), unless this router caps the

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 
 from tandem.outputs import TokenLogprobs
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import SamplingParams, int64_seed
 from tandem.structured import StructuredOutput
 from tandem.v1 import api_pb2, worker_pb2
 
@@ -89,7 +89,7 @@ def sampling_to_proto(params: SamplingParams) -> api_pb2.SamplingOptions:
     if params.max_tokens is not None:  # unset: the rest of the model's context
         msg.max_tokens = params.max_tokens
     if params.seed is not None:
-        msg.seed = params.seed
+        msg.seed = int64_seed(params.seed)
     for name in _LOGPROB_FIELDS:
         if getattr(params, name) is not None:
             setattr(msg, name, getattr(params, name))

@@ -17,6 +17,7 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
 MAX_N = 128  # choices per request, as OpenAI allows
+MAX_TOP_K = 2**31 - 1  # the wire's int32; any top_k from the vocabulary's size up keeps every token
 CHOICE_SUFFIX = "/c"  # + the index: the request id of a request's choice i > 0
 _INT64 = 2**64
 
@@ -94,8 +95,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or >= 1, got {self.top_k}")
+        if not -1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be -1, 0 or in [1, {MAX_TOP_K}], got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0 <= self.min_p <= 1:
@@ -150,7 +151,13 @@ def derived_seed(seed: int | None, index: int) -> int | None:
     """Choice `index`'s seed: `seed + index` wrapped into int64 (the wire type), or None."""
     if seed is None or index == 0:
         return seed
-    return (seed + index + _INT64 // 2) % _INT64 - _INT64 // 2
+    return int64_seed(seed + index)
+
+
+def int64_seed(seed: int) -> int:
+    """`seed` as the wire's int64: the same draws, which read a seed modulo 2**64 (a seed in
+    [2**63, 2**64) travels as seed - 2**64)."""
+    return (seed + _INT64 // 2) % _INT64 - _INT64 // 2
 
 
 def choice_request_id(request_id: str, index: int) -> str:

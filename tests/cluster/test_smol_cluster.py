@@ -30,6 +30,7 @@ import pytest
 from cluster_helpers import (
     RPC_TIMEOUT_S,
     SMOL,
+    generate_request,
     grpc_error,
     grpc_generate,
     grpc_stream,
@@ -48,6 +49,7 @@ from tandem.config import RouterConfig
 from tandem.engine import LLM, SamplingParams
 from tandem.engine.llm import RequestOutput
 from tandem.registry import Registry
+from tandem.v1 import api_pb2_grpc
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -333,6 +335,48 @@ def test_grpc_bad_input_is_invalid_argument_naming_the_field(
     e = grpc_error(smol.address.grpc_target, **kwargs)
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e
     assert any(f in e.details() for f in field), e.details()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_k", 2**31), ("timeout", float("nan"))],  # past the wire's int32; JSON's NaN token
+)
+def test_http_out_of_wire_range_or_nan_values_are_400(
+    smol: LocalCluster, field: str, value: float
+) -> None:
+    """Found by fuzzing: top_k 2**31 was a 500 (the worker request's int32 overflowed), a NaN
+    timeout a 504 (a NaN deadline)."""
+    assert smol.address is not None
+    url = smol.address.http_url
+    hi = {"messages": [{"role": "user", "content": "Hi"}]}
+    for route, prompt in (("completions", {"prompt": "Hello"}), ("chat/completions", hi)):
+        body = {"model": SMOL, "max_tokens": 2, field: value, **prompt}
+        r = http_post(f"{url}/v1/{route}", raw=json.dumps(body).encode())  # NaN as JSON's NaN
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field
+
+
+def test_grpc_nan_timeout_is_invalid_argument(smol: LocalCluster) -> None:
+    assert smol.address is not None
+    request = generate_request("Hello", max_tokens=2)
+    request.timeout_s = float("nan")
+    with (
+        grpc.insecure_channel(smol.address.grpc_target) as channel,
+        pytest.raises(grpc.RpcError) as error,
+    ):
+        list(api_pb2_grpc.TandemStub(channel).Generate(request, timeout=RPC_TIMEOUT_S))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "timeout" in (error.value.details() or "")
+
+
+def test_a_64_bit_seed_is_served(smol: LocalCluster) -> None:
+    """A seed in [2**63, 2**64) travels as seed - 2**64, the wire's int64, with the same draws
+    (tests/unit/test_messages.py); it was a 500."""
+    assert smol.address is not None
+    for seed in (2**63, 2**64 - 1):
+        body = {"model": SMOL, "prompt": "Once upon a time", "max_tokens": 4, "seed": seed}
+        r = http_post(f"{smol.address.http_url}/v1/completions", body)
+        assert r.status_code == 200, r.text
 
 
 def test_malformed_json_is_400(smol: LocalCluster) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tandem.engine.sampler import seed_for_position
 from tandem.messages import sampling_from_proto, sampling_to_proto
 from tandem.sampling_params import SamplingParams
 from tandem.structured import StructuredOutput
@@ -38,3 +39,10 @@ def test_every_structured_output_kind_round_trips() -> None:
 def test_logit_bias_round_trips() -> None:
     params = SamplingParams(logit_bias=((3, -100.0), (17, 2.5)))
     assert sampling_from_proto(sampling_to_proto(params)).logit_bias == params.logit_bias
+
+
+def test_a_seed_of_64_bits_travels_as_int64_with_the_same_draws() -> None:
+    for seed in (0, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)):
+        sent = sampling_from_proto(sampling_to_proto(SamplingParams(seed=seed))).seed
+        assert sent is not None and -(2**63) <= sent < 2**63
+        assert all(seed_for_position(sent, p) == seed_for_position(seed, p) for p in range(3))
