@@ -357,6 +357,8 @@ class ChatRequest(_Sampling):
 
     def chat_sampling_params(self, tool_use: ToolUse | None) -> SamplingParams:
         """The sampling parameters, with the constraint that the tool choice puts on the output."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")  # as OpenAI's
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.sampling_params(n_logprobs)
         return params if tool_use is None else tool_use.constrain(params)

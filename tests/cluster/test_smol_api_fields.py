@@ -862,3 +862,17 @@ def test_prompt_logprobs_equal_the_offline_engine(
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
     r = http_post(f"{url}/v1/completions", {**body, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_top_logprobs_come_with_logprobs_only(url: str) -> None:
+    """`top_logprobs` n gives each output token's n most likely ones, and asks for `logprobs:
+    true` (a 400 naming it otherwise, as OpenAI and vLLM answer; it was silently ignored)."""
+    body = {"model": SMOL, "messages": CHAT, "max_tokens": 3, "temperature": 0.0}
+    answer = http_post(
+        f"{url}/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2}
+    ).json()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3 and all(len(t["top_logprobs"]) == 2 for t in content)
+    assert all(t["logprob"] == t["top_logprobs"][0]["logprob"] for t in content)  # greedy
+    r = http_post(f"{url}/v1/chat/completions", {**body, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
