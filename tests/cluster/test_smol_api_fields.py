@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ from cluster_helpers import (
 )
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from pydantic import BaseModel
 
 from router.http_api import NO_OP_FIELDS, ChatRequest, CompletionRequest
 from router.router_server import RouterAddress, RouterServer
@@ -876,3 +878,57 @@ def test_chat_top_logprobs_come_with_logprobs_only(url: str) -> None:
     assert all(t["logprob"] == t["top_logprobs"][0]["logprob"] for t in content)  # greedy
     r = http_post(f"{url}/v1/chat/completions", {**body, "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+# -- odd numbers in every numeric field: a 200 or a 400 naming it, never a 500 or a hang -----
+
+# Past the wire's int32 / int64 / uint64, the float extremes, and JSON's NaN and Infinity tokens.
+ODD_NUMBERS = [-1, 0, 0.5, 2**31, 2**63, 2**64, -(2**63) - 1, 1e308, -1e308, math.nan, math.inf]
+ODD_LISTS_AND_MAPS = [
+    ("stop_token_ids", [2**31]), ("stop_token_ids", [2**64]), ("stop_token_ids", [-1]),
+    ("logit_bias", {str(2**40): 1}), ("logit_bias", {"1": math.nan}),
+    ("logit_bias", {"1": math.inf}), ("logit_bias", {"-1": 1}),
+]  # fmt: skip
+
+
+def numeric_fields(request: type[BaseModel]) -> list[str]:
+    """The fields of `request` that take one number (timeout aside: a small one is a fair 504,
+    and tests/cluster/test_smol_cluster.py sends it NaN)."""
+    numbers = (int, float, int | None, float | None)
+    return sorted(
+        name
+        for name, field in request.model_fields.items()
+        if field.annotation in numbers and name != "timeout"
+    )
+
+
+def test_odd_numbers_in_every_numeric_field_get_a_200_or_a_400_naming_it(
+    url: str, smol: LocalCluster
+) -> None:
+    """Fuzzing found a 500 (top_k past int32, a seed past int64) and a 504 (a NaN timeout):
+    every numeric field of both endpoints, and the number lists and maps, get each odd number."""
+    cases = [
+        (path, base, {name: value})
+        for path, _, request, base in ENDPOINTS
+        for name in numeric_fields(request)
+        for value in ODD_NUMBERS
+    ] + [
+        (path, base, {name: value})
+        for path, _, _, base in ENDPOINTS
+        for name, value in ODD_LISTS_AND_MAPS
+    ]
+
+    def answer(case: tuple[str, dict[str, Any], dict[str, Any]]) -> str | None:
+        path, base, field = case
+        raw = json.dumps({**base, "max_tokens": 2, **field}).encode()  # NaN as JSON's NaN
+        r = http_post(f"{url}{path}", raw=raw)
+        if r.status_code == 400 and r.json()["error"]["param"]:
+            return None
+        if r.status_code == 200 and r.json()["choices"]:
+            return None
+        return f"{path} {field}: {r.status_code} {r.text[:200]}"
+
+    with ThreadPoolExecutor(4) as pool:
+        wrong = [w for w in pool.map(answer, cases) if w is not None]
+    assert not wrong, wrong
+    wait_workers_idle(workers(smol), 5.0)  # nothing left running, no block held
