@@ -3,7 +3,8 @@
 - no two modules share a file name (`__init__.py` apart): a name says which module it is;
 - `GRPC_OPTIONS` and the table from transfer failure causes to status codes are defined once;
 - `os.environ` is read or written only in tandem/config.py;
-- the import contracts (pyproject.toml, `make lint`) fail when a forbidden import is added.
+- the import contracts (pyproject.toml, `make lint`) fail when a forbidden import is added;
+- every module of the engine can be the first one a process imports.
 """
 
 from __future__ import annotations
@@ -107,3 +108,36 @@ def test_a_forbidden_import_breaks_the_contracts(tmp_path: Path) -> None:
     broken = lint_imports(tmp_path)
     assert broken.returncode != 0
     assert "router is not allowed to import tandem.engine" in broken.stdout, broken.stdout
+
+
+# In a fresh process, after torch: each engine module imported first, in a fork of its own.
+# The names come from the files: pkgutil.walk_packages would import the packages first.
+FIRST_IMPORTS = """
+import importlib, multiprocessing, sys
+import torch
+
+def first_import(name):
+    try:
+        importlib.import_module(name)
+    except Exception as e:
+        return f"{name}: {type(e).__name__}: {e}"
+
+names = sys.argv[1:]
+with multiprocessing.get_context("fork").Pool(2, maxtasksperchild=1) as pool:
+    print("\\n".join(e for e in pool.map(first_import, names, chunksize=1) if e))
+"""
+
+
+def test_every_engine_module_imports_first() -> None:
+    """An import cycle through a package's `__init__` fails in some orders only: importing
+    `tandem.engine.quant` first failed (models -> tp.shard -> quant.model, half initialized),
+    while every entry point imported `tandem.engine.models` first."""
+    names = [
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for path in (ROOT / "tandem" / "engine").rglob("*.py")
+        if path.name != "__main__.py"
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_IMPORTS, *names], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and not run.stdout.strip(), run.stdout + run.stderr

@@ -16,7 +16,6 @@ from tandem.engine import routes
 from tandem.engine.attention import AttentionBackend
 from tandem.engine.models.llama import LlamaForCausalLM
 from tandem.engine.tp.group import TPGroup
-from tandem.engine.tp.shard import Shard
 from tandem.model_config import ModelConfig, load_config
 
 __all__ = ["LlamaForCausalLM", "ModelConfig", "load_model"]
@@ -64,6 +63,7 @@ def load_model(
     (tandem/engine/tp/shard.py), loaded without holding the whole model."""
     from tandem.engine.models.loader import iter_weights
     from tandem.engine.quant.model import gguf_direct_weights, quantize_model
+    from tandem.engine.tp.shard import Shard  # imports quant, which imports this package
 
     cfg = load_config(path)
     shard = None if tp is None else Shard(cfg, tp.rank, tp.size)
