@@ -314,7 +314,7 @@ class Router:
             )
         except ValueError as e:
             message = str(e)
-            if message.startswith("prompt"):  # name the field the client actually sent
+            if message.startswith("prompt "):  # name the field the client actually sent
                 message = prompt_field + message.removeprefix("prompt")
             raise invalid(message) from None
         structured = params.structured_output

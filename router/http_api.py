@@ -35,7 +35,7 @@ from router.relay import Delta
 from router.router_metrics import RouterMetrics
 from router.tools import ToolCall, ToolStream, ToolUse, finish_reason, template_message
 from tandem.outputs import TokenLogprobs
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
 from tandem.structured import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -198,10 +198,11 @@ class _Sampling(BaseModel):
         return StructuredOutput.json_schema(form.schema_, name)
 
     def sampling_params(
-        self, logprobs: int | None, prompt_logprobs: int | None = None
+        self, logprobs: int | None, prompt_logprobs: int | None = None, least_tokens: int = 1
     ) -> SamplingParams:
         """The sampling parameters; `prompt_logprobs` when the endpoint asks for more of them
-        than the field does (completions: echo with logprobs)."""
+        than the field does (completions: echo with logprobs); `least_tokens` the fewest output
+        tokens the endpoint takes (completions with echo: 0)."""
         if self.prompt_logprobs is not None and self.stream:
             raise invalid(
                 "prompt_logprobs are not available when stream is true", "prompt_logprobs"
@@ -210,6 +211,9 @@ class _Sampling(BaseModel):
             raise invalid(f"n must be in [1, {MAX_N}], got {self.n}", "n")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        if self.output_tokens is not None and self.output_tokens < least_tokens:
+            name = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+            raise invalid(f"{name} must be >= {least_tokens}, got {self.output_tokens}", name)
         given = [name for name in NO_OP_FIELDS if getattr(self, name) is not None]
         if given:
             log.info("accepted without effect: %s", ", ".join(given))
@@ -277,7 +281,9 @@ class CompletionRequest(_Sampling):
                 "infilling template",
                 "suffix",
             )
-        params = self.sampling_params(self.logprobs, self.logprobs if self.echo else None)
+        params = self.sampling_params(
+            self.logprobs, self.logprobs if self.echo else None, 0 if self.echo else 1
+        )
         return replace(params, max_tokens=1) if self.echo_only else params
 
     @property
@@ -357,8 +363,13 @@ class ChatRequest(_Sampling):
 
     def chat_sampling_params(self, tool_use: ToolUse | None) -> SamplingParams:
         """The sampling parameters, with the constraint that the tool choice puts on the output."""
-        if self.top_logprobs is not None and not self.logprobs:
-            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")  # as OpenAI's
+        if self.top_logprobs and not self.logprobs:  # as vLLM: 0 asks for nothing
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise invalid(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                "top_logprobs",
+            )
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self.sampling_params(n_logprobs)
         return params if tool_use is None else tool_use.constrain(params)

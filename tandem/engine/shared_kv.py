@@ -3,10 +3,11 @@
 A tensor-parallel worker's ranks 1.. move their caches into such a file when rank 0 asks
 (tp/ranks.py), and a decode worker computes in one (kv_transfer/shm.py), so that a same-host
 prefill worker maps every rank's cache by its path and writes a request's KV straight into it.
-A file is named with its creator's pid: `remove_stale_files` (called by each `create` and
-`unlink`) unlinks those whose creator is gone (killed without cleanup), so a cluster that stops
-cleanly leaves none of them, whichever of its workers were killed before; mappings already made
-stay valid until they are dropped.
+A file is named with its creator's PID namespace and pid: `remove_stale_files` (called by each
+`create` and `unlink`) unlinks those of this namespace whose creator is gone (killed without
+cleanup), so a cluster that stops cleanly leaves none of them, whichever of its workers were
+killed before. Containers that share /dev/shm (`--ipc=host`) but not their pids never take each
+other's live files for stale ones. Mappings already made stay valid until they are dropped.
 """
 
 from __future__ import annotations
@@ -21,6 +22,17 @@ import torch
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "tandem-kv-"
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (its inode; 0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+OWN_PREFIX = f"{PREFIX}{_pid_namespace()}-"  # + the creator's pid, "-", a unique hex
 
 
 def shm_available() -> bool:
@@ -43,7 +55,7 @@ class SharedKVFile:
     ) -> SharedKVFile:
         """A new file (zero-filled once mapped) named with this process's pid."""
         remove_stale_files()
-        path = SHM_DIR / f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
+        path = SHM_DIR / f"{OWN_PREFIX}{os.getpid()}-{uuid.uuid4().hex}"
         return cls(str(path), num_layers, tuple(layer_shape), dtype)
 
     def map(self) -> list[torch.Tensor]:
@@ -69,10 +81,11 @@ def move_into_shared_file(caches: list[torch.Tensor]) -> SharedKVFile:
 
 
 def remove_stale_files() -> int:
-    """Unlink caches whose creating process is gone (a worker or rank killed without cleanup)."""
+    """Unlink the caches of this PID namespace whose creating process is gone (a worker or rank
+    killed without cleanup)."""
     removed = 0
-    for path in SHM_DIR.glob(f"{PREFIX}*-*"):
-        pid = path.name.removeprefix(PREFIX).split("-")[0]
+    for path in SHM_DIR.glob(f"{OWN_PREFIX}*-*"):
+        pid = path.name.removeprefix(OWN_PREFIX).split("-")[0]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists():
             path.unlink(missing_ok=True)
             removed += 1

@@ -211,7 +211,7 @@ def test_stop_string_kept_on_request_and_max_completion_tokens(url: str, smol_ll
     assert kept.json()["choices"][0]["text"] == dropped.json()["choices"][0]["text"] + stop
     assert dropped.json()["usage"]["completion_tokens"] <= 8
     zero = http_post(f"{url}/v1/completions", {**body, "max_completion_tokens": 0})
-    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_tokens"
+    assert zero.status_code == 400 and zero.json()["error"]["param"] == "max_completion_tokens"
     both = {**body, "max_tokens": 4, "max_completion_tokens": 4}
     r = http_post(f"{url}/v1/completions", both)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
@@ -868,7 +868,8 @@ def test_prompt_logprobs_equal_the_offline_engine(
 
 def test_chat_top_logprobs_come_with_logprobs_only(url: str) -> None:
     """`top_logprobs` n gives each output token's n most likely ones, and asks for `logprobs:
-    true` (a 400 naming it otherwise, as OpenAI and vLLM answer; it was silently ignored)."""
+    true` (a 400 naming it otherwise, as vLLM answers; it was silently ignored); 0 asks for
+    nothing."""
     body = {"model": SMOL, "messages": CHAT, "max_tokens": 3, "temperature": 0.0}
     answer = http_post(
         f"{url}/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 2}
@@ -878,6 +879,7 @@ def test_chat_top_logprobs_come_with_logprobs_only(url: str) -> None:
     assert all(t["logprob"] == t["top_logprobs"][0]["logprob"] for t in content)  # greedy
     r = http_post(f"{url}/v1/chat/completions", {**body, "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+    assert http_post(f"{url}/v1/chat/completions", {**body, "top_logprobs": 0}).status_code == 200
 
 
 # -- odd numbers in every numeric field: a 200 or a 400 naming it, never a 500 or a hang -----
@@ -889,6 +891,11 @@ ODD_LISTS_AND_MAPS = [
     ("logit_bias", {str(2**40): 1}), ("logit_bias", {"1": math.nan}),
     ("logit_bias", {"1": math.inf}), ("logit_bias", {"-1": 1}),
 ]  # fmt: skip
+ODD_PROMPTS = [[2**31], [2**64], [-1], [[2**63]]]  # token ids as a completion's prompt
+# What a field's odd value needs beside it to be read at all, and the fields its 400 may name
+# instead of it (a length past the context is the prompt's or the messages' fault too).
+NEEDS = {"max_completion_tokens": {"max_tokens": None}, "top_logprobs": {"logprobs": True}}
+ALSO_NAMED = {"max_tokens": {"prompt", "messages"}, "max_completion_tokens": {"prompt", "messages"}}
 
 
 def numeric_fields(request: type[BaseModel]) -> list[str]:
@@ -906,27 +913,27 @@ def test_odd_numbers_in_every_numeric_field_get_a_200_or_a_400_naming_it(
     url: str, smol: LocalCluster
 ) -> None:
     """Fuzzing found a 500 (top_k past int32, a seed past int64) and a 504 (a NaN timeout):
-    every numeric field of both endpoints, and the number lists and maps, get each odd number."""
+    every numeric field of both endpoints, the number lists and maps, and a prompt's token ids
+    get each odd number."""
     cases = [
-        (path, base, {name: value})
+        (path, base, name, value)
         for path, _, request, base in ENDPOINTS
         for name in numeric_fields(request)
         for value in ODD_NUMBERS
-    ] + [
-        (path, base, {name: value})
-        for path, _, _, base in ENDPOINTS
-        for name, value in ODD_LISTS_AND_MAPS
     ]
+    cases += [(p, b, name, value) for p, _, _, b in ENDPOINTS for name, value in ODD_LISTS_AND_MAPS]
+    cases += [(ENDPOINTS[1][0], ENDPOINTS[1][3], "prompt", value) for value in ODD_PROMPTS]
 
-    def answer(case: tuple[str, dict[str, Any], dict[str, Any]]) -> str | None:
-        path, base, field = case
-        raw = json.dumps({**base, "max_tokens": 2, **field}).encode()  # NaN as JSON's NaN
+    def answer(case: tuple[str, dict[str, Any], str, Any]) -> str | None:
+        path, base, name, value = case
+        body = {**base, "max_tokens": 2, **NEEDS.get(name, {}), name: value}
+        raw = json.dumps({k: v for k, v in body.items() if v is not None}).encode()  # NaN too
         r = http_post(f"{url}{path}", raw=raw)
-        if r.status_code == 400 and r.json()["error"]["param"]:
+        if r.status_code == 400 and r.json()["error"]["param"] in {name, *ALSO_NAMED.get(name, ())}:
             return None
         if r.status_code == 200 and r.json()["choices"]:
             return None
-        return f"{path} {field}: {r.status_code} {r.text[:200]}"
+        return f"{path} {name}={value}: {r.status_code} {r.text[:200]}"
 
     with ThreadPoolExecutor(4) as pool:
         wrong = [w for w in pool.map(answer, cases) if w is not None]

