@@ -61,7 +61,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from tandem import parent_death
-from tandem.supervisor import ProcessSupervisor
+from tandem.supervisor import ProcessSupervisor, stop_processes
 
 log = logging.getLogger(__name__)
 
@@ -303,15 +303,8 @@ class _EmbeddedRedis:
         """Stop the supervisor (its thread's end sends the server SIGTERM on Linux; sent here
         too), SIGKILL after 5 s; remove the dir."""
         self.supervisor.stop()
-        process = self._process
-        if process is not None:
-            process.terminate()  # a no-op once it is reaped
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("embedded redis-server %d did not shut down; killing it", process.pid)
-                process.kill()
-                process.wait()
+        if self._process is not None:
+            stop_processes([self._process], STOP_TIMEOUT_S)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 

@@ -16,11 +16,13 @@ The embedded Redis (`tandem.registry`) and the worker processes of `tandem serve
 
 The thread sleeps on an Event between checks (no busy loop) and logs each death and each
 restart. It knows nothing of Redis: the owner supplies `is_alive` and `restart`.
+`stop_processes` ends such processes: SIGTERM, then SIGKILL past a grace.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -132,3 +134,18 @@ class ProcessSupervisor:
             self.restarts += 1
             log.warning("%s restarted in %.2f s", self.name, time.monotonic() - began)
             wait, backoff = self.poll_s, self.backoff_s
+
+
+def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float) -> None:
+    """SIGTERM each (a worker drains and deregisters), SIGKILL what still runs after `grace_s`."""
+    for p in processes:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in processes:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            log.warning("process %d did not stop within %.0f s; killing it", p.pid, grace_s)
+            p.kill()
+            p.wait()

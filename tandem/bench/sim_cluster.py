@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import grpc
 
 from tandem.cluster.lifetime import arm_parent_death_signal, die_with_parent
-from tandem.cluster.local_cluster import stop_processes
 from tandem.cluster.workers import build_worker
 from tandem.config import EngineConfig, WorkerConfig, child_environment
 from tandem.drain_signal import drain_signal
 from tandem.registry import Registry
+from tandem.supervisor import stop_processes
 from tandem.worker_server import WorkerServer
 
 

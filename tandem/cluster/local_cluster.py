@@ -20,7 +20,7 @@ from router.router_server import RouterAddress, RouterServer
 from tandem.cluster.lifetime import die_with_parent
 from tandem.config import RouterConfig
 from tandem.registry import Registry
-from tandem.supervisor import ProcessSupervisor
+from tandem.supervisor import ProcessSupervisor, stop_processes
 
 RESTART_POLL_S = 1.0  # how often a supervised worker process is checked
 RESTART_BACKOFF_S = (1.0, 30.0)  # a crash-looping worker's restart delay: first, at most
@@ -156,17 +156,3 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def stop_processes(processes: list[subprocess.Popen[bytes]], grace_s: float) -> None:
-    """SIGTERM each (a worker drains and deregisters), SIGKILL what still runs after `grace_s`."""
-    for p in processes:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in processes:
-        try:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
