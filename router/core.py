@@ -226,7 +226,7 @@ class Router:
 
     # -- prepare ------------------------------------------------------------------------------
 
-    def prepare(
+    async def prepare(
         self,
         params: SamplingParams,
         *,
@@ -240,9 +240,13 @@ class Router:
         speculative: bool | None = None,
         chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> Prepared:
-        """Tokenize and validate; raises RouterError before any worker is involved."""
+        """Tokenize and validate; raises RouterError before any worker is involved. The prompt
+        is encoded on a worker thread (the tokenizer lets go of the GIL meanwhile): a long one,
+        seconds for megabytes, holds up none of the requests this loop relays."""
         self._check_model(model)
-        tokens = self._prompt_tokens(prompt, prompt_token_ids, messages, chat_template)
+        tokens = await asyncio.to_thread(
+            self._prompt_tokens, prompt, prompt_token_ids, messages, chat_template
+        )
         if not timeout_s >= 0:  # NaN too
             raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
         # Unset max_tokens: the rest of the context. The engine resolves it against its own
@@ -266,7 +270,7 @@ class Router:
                 field="model",
             )
 
-    def tokenize(
+    async def tokenize(
         self,
         *,
         model: str = "",
@@ -274,12 +278,14 @@ class Router:
         messages: Sequence[dict[str, Any]] | None = None,
         chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> list[int]:
-        """The token ids `prepare` would send for this prompt or conversation (/tokenize)."""
+        """The token ids `prepare` would send for this prompt or conversation (/tokenize), encoded
+        on a worker thread as there."""
         self._check_model(model)
         if messages is not None and prompt is None:
-            return self._chat_tokens(messages, chat_template)
+            text = self._chat_text(messages, chat_template)
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
         if prompt is not None and messages is None:
-            return self.tokenizer.encode(prompt)
+            return await asyncio.to_thread(self.tokenizer.encode, prompt)
         raise invalid("give exactly one of prompt or messages", "prompt")
 
     def detokenize(self, token_ids: Sequence[int], *, model: str = "") -> str:
@@ -301,10 +307,23 @@ class Router:
         if sum(given) != 1:
             raise invalid("give exactly one of prompt, prompt token ids or messages", "prompt")
         if prompt is not None:
-            return self.tokenizer.encode(prompt)
+            return self._encode(prompt, "prompt")
         if messages is not None:
-            return self._chat_tokens(messages, chat_template)
+            text = self._chat_text(messages, chat_template)
+            return self._encode(text, "messages", add_special_tokens=False)
         return list(prompt_token_ids or [])
+
+    def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's tokens; INVALID_ARGUMENT naming `field`, without encoding it, for a text
+        too long for the context whatever its tokens."""
+        if self.tokenizer.surely_longer(text, self.max_model_len):
+            raise invalid(
+                f"{field} has {len(text)} characters, more than max_model_len="
+                f"{self.max_model_len} tokens of up to {self.tokenizer.max_token_chars} "
+                "characters each hold",
+                field,
+            )
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _validate(self, tokens: list[int], params: SamplingParams, prompt_field: str) -> None:
         try:
@@ -324,9 +343,8 @@ class Router:
             except ValueError as e:
                 raise invalid(str(e), structured.source) from None
 
-    def _chat_tokens(
-        self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions
-    ) -> list[int]:
+    def _chat_text(self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions) -> str:
+        """The conversation rendered by the chat template."""
         if not messages:
             raise invalid("messages must not be empty", "messages")
         for i, m in enumerate(messages):
@@ -348,7 +366,7 @@ class Router:
         if not self.tokenizer.renders_tools:
             messages, tools = hermes_messages(messages, tools), None
         try:
-            text = self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(
                 messages,
                 options.add_generation_prompt,
                 tools=tools,
@@ -357,7 +375,6 @@ class Router:
             )
         except ValueError as e:  # e.g. a model without a chat template
             raise invalid(f"messages cannot be rendered for this model: {e}", "messages") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- generate -----------------------------------------------------------------------------
 

@@ -138,7 +138,7 @@ class TandemServicer(api_pb2_grpc.TandemServicer):
             if request.n > MAX_N:
                 raise invalid(f"n must be at most {MAX_N}, got {request.n}", "n")
             tool_use = _tool_use(request, self.router.tool_parser)
-            prep = self.router.prepare(
+            prep = await self.router.prepare(
                 params if tool_use is None else tool_use.constrain(params),
                 model=request.model,
                 request_id=request.request_id,

@@ -517,7 +517,7 @@ def _add_tokenizer_routes(app: FastAPI, router: Router) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         messages = None if body.messages is None else template_messages(body.messages)
-        tokens = router.tokenize(
+        tokens = await router.tokenize(
             model=body.model,
             prompt=body.prompt,
             messages=messages,
@@ -539,7 +539,9 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = body.completion_params()
         preps = [
-            router.prepare(params, model=body.model, timeout_s=_timeout_s(body, request), **prompt)
+            await router.prepare(
+                params, model=body.model, timeout_s=_timeout_s(body, request), **prompt
+            )
             for prompt in body.prompts()
         ]
         render = _CompletionRender(router, preps, body)
@@ -548,7 +550,7 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         tool_use = body.tool_use(router.tool_parser)
-        prep = router.prepare(
+        prep = await router.prepare(
             body.chat_sampling_params(tool_use),
             model=body.model,
             messages=body.rendered_messages(),

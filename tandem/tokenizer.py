@@ -68,9 +68,23 @@ class Tokenizer:
             template_file.read_text() if template_file.is_file() else settings.get("chat_template")
         )
         self._template: jinja2.Template | None = None
+        self.max_token_chars = _max_token_chars(self.backend)  # None: a token's span is unbounded
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The text's token ids. The batch call releases the GIL while it encodes: a long text
+        encoded on another thread holds up none of this process's others."""
+        (encoding,) = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
+
+    def surely_longer(self, text: str, num_tokens: int) -> bool:
+        """Whether `text` encodes to more than `num_tokens` tokens, told from its length alone
+        (no token covers more than `max_token_chars` characters of the normalized text): a huge
+        prompt is refused without the seconds its encoding would take."""
+        if self.max_token_chars is None or len(text) <= num_tokens * self.max_token_chars:
+            return False
+        normalizer = self.backend.normalizer  # it may shorten the text (NFC composes characters)
+        length = len(text) if normalizer is None else len(normalizer.normalize_str(text))
+        return length > num_tokens * self.max_token_chars
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
@@ -128,6 +142,19 @@ class Tokenizer:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """The tokenizer of a checkpoint (an HF directory or a .gguf file)."""
     return Tokenizer(tokenizer_dir(path))
+
+
+def _max_token_chars(backend: tokenizers.Tokenizer) -> int | None:
+    """The most characters of normalized text one token covers: its vocabulary's longest entry
+    (a byte-level entry has one character per byte it covers; a byte-fallback entry such as
+    `<0x0A>` more than the one it covers). None when a token can cover any number of them: a
+    model other than BPE (WordPiece's unknown word), or BPE that fuses unknown characters."""
+    model = backend.model
+    if not isinstance(model, tokenizers.models.BPE):
+        return None
+    if model.unk_token and model.fuse_unk and not model.byte_fallback:
+        return None
+    return max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -121,6 +121,26 @@ def test_a_field_openai_does_not_know_is_rejected_by_name(url: str) -> None:
     assert r.json()["error"]["param"] == "guided_decoding_backend"
 
 
+def test_a_prompt_too_long_for_any_tokens_is_refused_unencoded(
+    smol: LocalCluster, url: str
+) -> None:
+    """Megabytes of prompt: 400 / INVALID_ARGUMENT naming the field, told from the characters
+    alone (encoding 2 MB would take the router seconds), over completions, chat and gRPC."""
+    huge = "All work and no play makes Jack a dull boy. " * ((2 << 20) // 44)
+    for path, body, field in [
+        ("/v1/completions", {"prompt": huge}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+    ]:
+        r = http_post(f"{url}{path}", {"model": SMOL, "max_tokens": 1} | body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == field and "characters, more than max_model_len" in error["message"]
+    assert smol.address is not None
+    e = grpc_error(smol.address.grpc_target, huge, max_tokens=1)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt has" in (e.details() or "") and "characters" in (e.details() or "")
+
+
 @pytest.fixture(scope="module")
 def short_context_router(smol: LocalCluster) -> Iterator[RouterAddress]:
     """A second router over the same workers that allows 48 tokens of context."""

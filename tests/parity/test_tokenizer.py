@@ -96,3 +96,17 @@ def test_a_template_error_is_a_value_error(smollm2_path: Path) -> None:
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("repeat", ["", "=", " ", "<|im_start|>", "densest"])
+def test_surely_longer_never_refuses_a_text_that_fits(smollm2_path: Path, repeat: str) -> None:
+    """The router refuses a prompt from its length alone only when it has more tokens: a text
+    of n tokens is never `surely_longer` than n, down to the densest text there is (the token
+    that covers the most characters, repeated)."""
+    ours = load_tokenizer(smollm2_path)
+    assert ours.max_token_chars is not None
+    if repeat == "densest":
+        vocab = ours.backend.get_vocab_size(with_added_tokens=True)
+        repeat = max((ours.decode([i]) for i in range(vocab)), key=len)
+    for text in [*TEXTS, repeat * 1000]:
+        assert not ours.surely_longer(text, len(ours.encode(text)))

@@ -209,7 +209,9 @@ async def wait_idle(router: Router, timeout_s: float = 5.0) -> None:
 
 
 async def generate(cluster: Cluster, ids: list[int], **kwargs: Any) -> list[Delta]:
-    prep = cluster.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=ids, **kwargs)
+    prep = await cluster.router.prepare(
+        SamplingParams(max_tokens=8), prompt_token_ids=ids, **kwargs
+    )
     return [d async for d in cluster.router.generate(prep)]
 
 
@@ -304,7 +306,7 @@ def test_no_decode_worker_opens_releases_the_picked_p(tiny_llama_path: Path) -> 
 
 def test_request_migrates_when_its_decode_worker_dies_mid_stream(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
-        prep = c.router.prepare(
+        prep = await c.router.prepare(
             SamplingParams(max_tokens=CHUNKS, min_tokens=2, seed=7), prompt_token_ids=LONG
         )
         deltas = [d async for d in c.router.generate(prep)]
@@ -330,7 +332,9 @@ def test_choices_resume_each_on_its_own_when_their_decode_worker_dies(
     tiny_llama_path: Path,
 ) -> None:
     async def scenario(c: Cluster) -> None:
-        prep = c.router.prepare(SamplingParams(max_tokens=CHUNKS, seed=7), prompt_token_ids=SHORT)
+        prep = await c.router.prepare(
+            SamplingParams(max_tokens=CHUNKS, seed=7), prompt_token_ids=SHORT
+        )
 
         def deltas(choice: Choice) -> AsyncGenerator[Delta, None]:
             return choice.deltas(c.router)
@@ -380,7 +384,7 @@ def test_decode_worker_dying_with_no_other_left_is_unavailable(tiny_llama_path: 
 
 def test_abort_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
-        prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
+        prep = await c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
         await abort_during_prefill(c, c.router.generate(prep), prep.request_id)
 
     run(tiny_llama_path, {"p1": "hang", "d1": "serve"}, scenario)
@@ -388,7 +392,7 @@ def test_abort_during_a_hanging_prefill(tiny_llama_path: Path) -> None:
 
 def test_client_leaving_mid_stream(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
-        prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
+        prep = await c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
         async with contextlib.aclosing(c.router.generate(prep)) as stream:
             assert (await anext(stream)).finish_reason is None
             assert c.router.inflight["d1"] == 1
@@ -409,7 +413,7 @@ def test_n_choices_end_together(tiny_llama_path: Path) -> None:
     leaves ends them all on their workers."""
 
     async def scenario(c: Cluster) -> None:
-        prep = c.router.prepare(SamplingParams(max_tokens=8, seed=5), prompt_token_ids=LONG)
+        prep = await c.router.prepare(SamplingParams(max_tokens=8, seed=5), prompt_token_ids=LONG)
         assert derived_seed(2**63 - 1, 1) == -(2**63)  # wrapped into int64
         finals, started = [], set()
 
@@ -442,7 +446,7 @@ def test_a_stop_string_ends_its_choice_alone(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
         stop = c.router.tokenizer.decode([65])  # choice 1's token
         params = SamplingParams(max_tokens=8, stop=[stop])
-        prep = c.router.prepare(params, prompt_token_ids=SHORT)
+        prep = await c.router.prepare(params, prompt_token_ids=SHORT)
 
         def deltas(choice: Choice) -> AsyncGenerator[Delta, None]:
             return choice.deltas(c.router)

@@ -18,7 +18,7 @@ from tandem.sampling_params import SamplingParams
 
 
 async def observed(metrics: RouterMetrics, c: Cluster, ids: list[int]) -> list[Delta]:
-    prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=ids)
+    prep = await c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=ids)
     return [d async for d in metrics.observe(c.router.generate(prep))]
 
 
@@ -58,7 +58,7 @@ def test_served_request_under_vllm_names(tiny_llama_path: Path) -> None:
 def test_aborted_request_counts_as_abort(tiny_llama_path: Path) -> None:
     async def scenario(c: Cluster) -> None:
         metrics = RouterMetrics(c.router)
-        prep = c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
+        prep = await c.router.prepare(SamplingParams(max_tokens=8), prompt_token_ids=LONG)
         await abort_during_prefill(c, metrics.observe(c.router.generate(prep)), prep.request_id)
         labels = {"model_name": c.router.model_name, "finished_reason": "abort"}
         assert metrics.registry.get_sample_value("vllm:request_success_total", labels) == 1
