@@ -63,6 +63,7 @@ class Outcome:
     text: str  # the text received
     error: str | None  # None: completed; else the gRPC code, HTTP status or SSE error type
     seconds: float  # from the send to the end
+    route: str = ""  # gRPC, completed: the request id and its last prefill -> decode workers
 
 
 class Load:
@@ -126,7 +127,7 @@ class Load:
         )
         req.timeout_s = DEADLINE_S
         tokens: list[int] = []
-        text = ""
+        text = route = ""
         error: str | None = None
         start = time.monotonic()
         with grpc.insecure_channel(self.address.grpc_target) as channel:
@@ -140,6 +141,9 @@ class Load:
                     tokens.extend(msg.token_ids)
                     text += msg.text
                     if msg.finish_reason:
+                        timings = msg.timings
+                        route = f"{msg.request_id} {timings.prefill_worker or 'local'}"
+                        route += f" -> {timings.decode_worker}"
                         break
                 else:
                     error = "the stream ended without a final message"
@@ -147,7 +151,8 @@ class Load:
                 error = e.code().name
             finally:
                 call.cancel()
-        return Outcome("grpc", prompt, tuple(tokens), text, error, time.monotonic() - start)
+        seconds = time.monotonic() - start
+        return Outcome("grpc", prompt, tuple(tokens), text, error, seconds, route)
 
     def _http(self, prompt: int, cancel_after: int | None) -> Outcome:
         body = {
