@@ -158,10 +158,16 @@ class OutboundTransfer:
         self._items.put(_KEEPALIVE)
 
     def abort(self) -> None:
-        """Stop: the request was aborted here. The receiver learns it from the broken stream."""
+        """Stop: the request was aborted here. The receiver learns it from the broken stream,
+        on the shm plane once the layers being copied into its memory have landed: it frees
+        their blocks soon after the stream breaks, and a copy still running then (its thread
+        descheduled on a busy host) would land in blocks another request holds."""
         self._cancelled.set()
         self.status.fail(TransferError(FailureCause.CANCELLED, "aborted by the prefill side"))
         self._items.put(None)
+        if self.plane_name == "shm":
+            with self._blocks_lock:  # held while a layer is copied; none starts after this
+                pass
         if self._call is not None:
             self._call.cancel()
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kv_transfer import FailureCause, KVLayout, KVReceiver, KVSender, KVTicket, TransferState
+from kv_transfer.fake import FaultyPlane
 from kv_transfer.layout import gather_tokens, slot_mapping
 from kv_transfer.local_control import (
     END,
@@ -32,6 +33,7 @@ from kv_transfer.local_control import (
     recv_frame,
     send_frame,
 )
+from kv_transfer.receiver import SHM_GRACE_S
 from kv_transfer.shm import SharedKVCache
 from tandem.v1 import kv_transfer_pb2 as pb
 
@@ -238,6 +240,42 @@ def test_a_sender_gone_right_after_its_header_fails_the_reservation(
             time.sleep(0.01)
         assert len(reported) == 20 and len(receiver) == 0
         assert all(a.state == TransferState.FAILED for a in reported)
+    finally:
+        sender.close()
+
+
+def test_an_abort_breaks_the_stream_once_the_layer_being_copied_has_landed(
+    receiver: KVReceiver, source: list[torch.Tensor]
+) -> None:
+    """The prefill side aborts while its thread copies a layer into the receiver's shared cache
+    (stalled there longer than the receiver's grace, as a descheduled thread on a busy host):
+    the receiver reports the failed reservation, whose blocks its worker then frees, only after
+    that copy."""
+    stalled = threading.Event()
+    copying: list[float] = []
+
+    def stall(layer: int) -> None:  # runs on the stream's thread right before the layer's copy
+        if layer == 1:
+            stalled.set()
+            time.sleep(2 * SHM_GRACE_S)
+            copying.append(time.monotonic())
+
+    sender = KVSender("model", wrap_plane=FaultyPlane.around(stall))
+    try:
+        t = sender.begin(receiver.expect("a", DST_BLOCKS, N), source)
+        t.set_source(SRC_BLOCKS)
+        t.all_layers_ready()
+        assert stalled.wait(5.0)
+        abort = threading.Thread(target=t.abort)
+        abort.start()
+        deadline = time.monotonic() + 10.0
+        while not (done := receiver.poll()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        reported = time.monotonic()
+        abort.join(5.0)
+        (arrival,) = done
+        assert arrival.state == TransferState.FAILED
+        assert copying and reported > copying[0]
     finally:
         sender.close()
 
