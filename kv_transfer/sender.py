@@ -192,6 +192,7 @@ class OutboundTransfer:
             plane = self.sender.choose_plane(self.ticket, self.kv_caches[0].device, self.heads)
             self.plane_name = pb.DataPlane.Name(plane.kind).removeprefix("DATA_PLANE_").lower()
             self.status.advance(TransferState.WAITING_FOR_INPUT)
+            opened = time.monotonic()  # before the receiver can have answered anything
             self._call = self.sender.open_call(
                 self.ticket, plane, self._requests(plane), self.call_timeout_s
             )
@@ -200,8 +201,11 @@ class OutboundTransfer:
                 self._call.cancel()
             for reply in self._call:
                 if reply.kind == pb.PushReply.ACCEPTED:
+                    # Its deadline is `remaining_s` from when it answered, later than `opened`
+                    # (the same host's clock, or the fence does not matter: no shared memory):
+                    # counted from `opened`, a reply read late does not move the fence past it.
                     margin = min(WRITE_MARGIN_S, reply.remaining_s / 2)
-                    self._write_deadline = time.monotonic() + reply.remaining_s - margin
+                    self._write_deadline = opened + reply.remaining_s - margin
                     self._accepted.set()
                 elif reply.kind == pb.PushReply.CANCELLED:
                     self._cancelled_by_receiver = True
