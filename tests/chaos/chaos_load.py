@@ -219,7 +219,8 @@ def check_outcomes(
     late = [o for o in outcomes if o.seconds > DEADLINE_S + DEADLINE_SLACK_S]
     assert not late, f"clients waited past their deadline: {late[:3]}"
     unexpected = {k for k in kinds if k not in allowed_errors | {"completed", CANCELLED}}
-    assert not unexpected, f"unexpected outcomes {dict(kinds)}"
+    odd = [o for o in outcomes if o.error in unexpected][:3]
+    assert not unexpected, f"unexpected outcomes {dict(kinds)}: {odd}"
     for o in outcomes:
         if o.error is not None:
             continue
