@@ -64,6 +64,7 @@ class Outcome:
     error: str | None  # None: completed; else the gRPC code, HTTP status or SSE error type
     seconds: float  # from the send to the end
     route: str = ""  # gRPC, completed: the request id and its last prefill -> decode workers
+    sent: float = 0.0  # time.monotonic() at the send
 
 
 class Load:
@@ -152,7 +153,7 @@ class Load:
             finally:
                 call.cancel()
         seconds = time.monotonic() - start
-        return Outcome("grpc", prompt, tuple(tokens), text, error, seconds, route)
+        return Outcome("grpc", prompt, tuple(tokens), text, error, seconds, route, start)
 
     def _http(self, prompt: int, cancel_after: int | None) -> Outcome:
         body = {
@@ -189,7 +190,7 @@ class Load:
             error = "the client's timeout"
         except httpx.TransportError:  # refused, or cut mid-stream: the router is gone
             error = CONNECTION_LOST
-        return Outcome("http", prompt, (), text, error, time.monotonic() - start)
+        return Outcome("http", prompt, (), text, error, time.monotonic() - start, "", start)
 
 
 def sigterm_under_load(
@@ -220,7 +221,8 @@ def check_outcomes(
     assert not late, f"clients waited past their deadline: {late[:3]}"
     unexpected = {k for k in kinds if k not in allowed_errors | {"completed", CANCELLED}}
     odd = [o for o in outcomes if o.error in unexpected][:3]
-    assert not unexpected, f"unexpected outcomes {dict(kinds)}: {odd}"
+    first = {k: min(o.sent for o in outcomes if (o.error or "completed") == k) for k in kinds}
+    assert not unexpected, f"unexpected outcomes {dict(kinds)}: {odd}; first sent: {first}"
     for o in outcomes:
         if o.error is not None:
             continue
