@@ -1,12 +1,10 @@
 """Admission control: at most `max_inflight` requests are dispatched at once and at most
 `max_queue` wait for a slot; beyond that a request is refused at once (RESOURCE_EXHAUSTED / 429
-with a Retry-After) rather than queued without bound. Once closed (the router stops), new
-requests are refused (UNAVAILABLE / 503) while those admitted finish: `drained()`."""
+with a Retry-After) rather than queued without bound."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -19,27 +17,11 @@ class Admission:
         self.max_queue = max_queue
         self.inflight = 0
         self.queued = 0
-        self.closed = False
         self._slots = asyncio.Semaphore(max_inflight)
-
-    def close(self) -> None:
-        """Refuse every request from now on; those admitted go on."""
-        self.closed = True
-
-    async def drained(self, timeout_s: float, poll_s: float = 0.02) -> bool:
-        """Wait up to `timeout_s` for the admitted requests to end; whether they all did."""
-        deadline = time.monotonic() + timeout_s
-        while self.inflight or self.queued:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(poll_s)
-        return True
 
     @asynccontextmanager
     async def slot(self, timeout_s: float) -> AsyncIterator[None]:
         """Hold one dispatch slot; waits up to `timeout_s` in a bounded queue."""
-        if self.closed:
-            raise RouterError(ErrorKind.UNAVAILABLE, "the router is stopping")
         if self._slots.locked() and self.queued >= self.max_queue:
             raise RouterError(
                 ErrorKind.OVERLOADED,

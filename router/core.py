@@ -422,9 +422,9 @@ class Router:
 
     @property
     def ready(self) -> bool:
-        """Whether this router takes new requests (it is not stopping) and a decode worker of
-        this model does: HTTP /ready and gRPC health follow it."""
-        return not self.admission.closed and self.serving_decode_workers() > 0
+        """Whether a decode worker of this model takes new requests: HTTP /ready and gRPC
+        health follow it."""
+        return self.serving_decode_workers() > 0
 
     def serving_decode_workers(self) -> int:
         """How many decode workers of this model take new requests (/ready reports it)."""

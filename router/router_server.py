@@ -30,8 +30,7 @@ log = logging.getLogger(__name__)
 # Once the router stops, the requests in flight on either API have this long to finish (then
 # gRPC cancels its calls and the HTTP connections close). Until 7 December gRPC's calls had 1 s
 # and only once the HTTP ones were done, and gRPC took new calls meanwhile: a stream admitted
-# then ended CANCELLED (1 run in 8 of tests/chaos/test_chaos_ray_stop.py, Zen 4). Until
-# 8 December gRPC's server stopped at once: a call it had not yet handled ended CANCELLED.
+# then ended CANCELLED (1 run in 8 of tests/chaos/test_chaos_ray_stop.py, Zen 4).
 STOP_GRACE_S = 10.0
 
 
@@ -116,14 +115,7 @@ class RouterServer:
             await asyncio.sleep(0.01)
         self._ready.set()
         await asyncio.wait([serving, self._stopping], return_when=asyncio.FIRST_COMPLETED)
-        # Both APIs drain at once: HTTP has closed its socket; gRPC's server goes on taking
-        # calls, which the router refuses (UNAVAILABLE), until the admitted ones have ended,
-        # and only then stops. A stopping gRPC server ends a call that arrived and was not yet
-        # handled with CANCELLED (grpc/grpc#41785), which tells a client that it cancelled.
-        end = self._loop.time() + STOP_GRACE_S
-        router.admission.close()
-        await router.admission.drained(STOP_GRACE_S)
-        await asyncio.gather(serving, grpc_server.stop(max(end - self._loop.time(), 1.0)))
+        await asyncio.gather(serving, grpc_server.stop(STOP_GRACE_S))  # both drain at once
         following.cancel()
         await self.router.close()
 
