@@ -4,8 +4,9 @@
   (every request in flight completes: no client sees an error), deregisters and exits; the
   controller replaces it and the pool is back at its size;
 - SIGTERM to `tandem serve` itself (how Kubernetes stops the head): every request ends
-  (completed, or refused once the router stopped), the driver exits 0 within the drain deadline
-  without Ray's fatal-signal handler (`*** SIGTERM received ...`, a stack dump, an abort), and no
+  (completed, or refused once the router stopped, `UNHANDLED_AT_STOP` included), the driver
+  exits 0 within the drain deadline without Ray's fatal-signal handler (`*** SIGTERM received
+  ...`, a stack dump, an abort), and no
   process it started is left: checked by pid (its session's processes: GCS, raylet, Ray's
   agents, the controller and worker actors) and the embedded redis-server, by its socket.
 
@@ -26,7 +27,14 @@ from pathlib import Path
 
 import psutil
 import pytest
-from chaos_load import CONNECTION_LOST, Load, check_outcomes, reference_of, sigterm_under_load
+from chaos_load import (
+    CONNECTION_LOST,
+    UNHANDLED_AT_STOP,
+    Load,
+    check_outcomes,
+    reference_of,
+    sigterm_under_load,
+)
 from cluster_helpers import wait_for, wait_printed, wait_workers_idle
 
 from router.router_server import RouterAddress
@@ -39,7 +47,7 @@ START_TIMEOUT_S = 180.0  # local Ray, then the worker actors load the model
 REPLACE_TIMEOUT_S = 120.0  # the dead actor noticed (3 missed pings), a new one loads the model
 DRAIN_TIMEOUT_S = 30.0  # a drained worker's process exits within this of its SIGTERM
 STOP_TIMEOUT_S = 60.0  # router (10 s), the workers' drain, Redis, Ray's shutdown: loaded
-STOPPED = frozenset({"UNAVAILABLE", CONNECTION_LOST, "http 503"})
+STOPPED = frozenset({"UNAVAILABLE", CONNECTION_LOST, "http 503", UNHANDLED_AT_STOP})
 
 
 @contextlib.contextmanager

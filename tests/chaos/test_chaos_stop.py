@@ -4,7 +4,8 @@
   (UNAVAILABLE, a broken HTTP connection) and retry; the workers free every request and KV block
   its streams held; a router started again on the same ports serves the same greedy outputs;
 - SIGTERM to `tandem serve --no-ray` (how Kubernetes and systemd stop it): every request ends
-  (completed while the cluster drains, or refused once it stopped), the launcher exits 0, and no
+  (completed while the cluster drains, or refused once it stopped: `UNHANDLED_AT_STOP` is one
+  way, gRPC's own), the launcher exits 0, and no
   process is left, checked by pid (every process naming the cluster's registry, the embedded
   redis-server included) and by process group.
 """
@@ -27,6 +28,7 @@ import pytest
 from chaos_load import (
     CONNECTION_LOST,
     TTL_S,
+    UNHANDLED_AT_STOP,
     WORKER_ARGS,
     Load,
     check_no_process_left,
@@ -49,7 +51,7 @@ START_TIMEOUT_S = 120.0
 RECOVERY_S = 30.0
 STOP_TIMEOUT_S = 45.0  # router drain (10 s) + workers' drain + redis-server shutdown, loaded
 ROUTER_LOST = frozenset({"UNAVAILABLE", CONNECTION_LOST})
-STOPPED = ROUTER_LOST | {"http 503"}
+STOPPED = ROUTER_LOST | {"http 503", UNHANDLED_AT_STOP}
 
 
 def free_port() -> int:
