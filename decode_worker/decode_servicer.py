@@ -39,7 +39,11 @@ class DecodeServicer(wpb_grpc.DecodeWorkerServicer):
             local=request.local_prefill,
             speculative=not r.HasField("speculative") or r.speculative,
         )
-        context.add_callback(lambda: self.worker.cancel(r.request_id))  # no-op once finished
+        if not context.add_callback(lambda: self.worker.cancel(r.request_id)):  # no-op once done
+            # The call ended before this handler ran (cancelled while the process was stopped,
+            # say): gRPC registers no callback then, and the request would wait for its KV.
+            self.worker.cancel(r.request_id)
+            return
         try:
             ticket = ticket_future.result(timeout=TICKET_WAIT_S)
         except ValueError as e:

@@ -41,7 +41,8 @@ class PrefillServicer(wpb_grpc.PrefillWorkerServicer):
             if not future.done():
                 self.worker.abort(r.request_id)
 
-        context.add_callback(on_rpc_done)
+        if not context.add_callback(on_rpc_done):  # the call ended before this handler ran
+            on_rpc_done()
         try:
             result = future.result(timeout=time_left + RESULT_GRACE_S)
         except ValueError as e:
