@@ -13,7 +13,7 @@ and its handler on cue (tests/chaos stops a whole worker process instead).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import grpc
@@ -88,6 +88,7 @@ def test_a_decode_call_that_ended_before_its_handler_frees_its_request(
 ) -> None:
     servicer = DecodeServicer(decode, "tiny")
     responses = servicer.Decode(wpb.DecodeRequest(request=worker_request("r")), EndedCall())
+    assert isinstance(responses, Generator)
     next(responses, None)  # gRPC's one attempt to send on an ended call
     responses.close()
     wait_idle(decode, within=5.0)  # well before the ticket's timeout
@@ -106,7 +107,7 @@ def test_a_prefill_call_that_ended_before_its_handler_aborts_its_transfer(
         assert ticket is not None
         request = wpb.PrefillRequest(request=worker_request("r"), ticket=ticket.to_proto())
         with pytest.raises(Aborted, match="CANCELLED"):
-            PrefillServicer(prefill, "tiny").Prefill(request, EndedCall())  # type: ignore[arg-type]
+            PrefillServicer(prefill, "tiny").Prefill(request, EndedCall())
         wait_idle(prefill, within=5.0)
         assert len(prefill.sender) == 0
         decode.cancel("r")  # as the router does once its prefill failed for good
