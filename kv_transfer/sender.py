@@ -159,14 +159,15 @@ class OutboundTransfer:
 
     def abort(self) -> None:
         """Stop: the request was aborted here. The receiver learns it from the broken stream,
-        on the shm plane once the layers being copied into its memory have landed: it frees
-        their blocks soon after the stream breaks, and a copy still running then (its thread
-        descheduled on a busy host) would land in blocks another request holds."""
+        on the shm plane once the run of layers being copied into its memory has landed (a
+        wait of milliseconds, on the caller's thread): the receiver frees the blocks soon after
+        the stream breaks, and a copy still running then (its thread descheduled on a busy
+        host) would land in blocks another request holds."""
         self._cancelled.set()
         self.status.fail(TransferError(FailureCause.CANCELLED, "aborted by the prefill side"))
         self._items.put(None)
         if self.plane_name == "shm":
-            with self._blocks_lock:  # held while a layer is copied; none starts after this
+            with self._blocks_lock:  # held while a run of layers is copied; none starts after
                 pass
         if self._call is not None:
             self._call.cancel()

@@ -240,13 +240,15 @@ class Router:
         speculative: bool | None = None,
         chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> Prepared:
-        """Tokenize and validate; raises RouterError before any worker is involved. The prompt
-        is encoded on a worker thread (the tokenizer lets go of the GIL meanwhile): a long one,
-        seconds for megabytes, holds up none of the requests this loop relays."""
+        """Tokenize and validate; raises RouterError before any worker is involved. A text
+        prompt is encoded on a worker thread (the tokenizer lets go of the GIL meanwhile): a
+        long one, seconds for megabytes, holds up none of the requests this loop relays."""
         self._check_model(model)
-        tokens = await asyncio.to_thread(
-            self._prompt_tokens, prompt, prompt_token_ids, messages, chat_template
-        )
+        args = (prompt, prompt_token_ids, messages, chat_template)
+        if prompt is None and messages is None:  # token ids: nothing to encode
+            tokens = self._prompt_tokens(*args)
+        else:
+            tokens = await asyncio.to_thread(self._prompt_tokens, *args)
         if not timeout_s >= 0:  # NaN too
             raise invalid(f"timeout must be >= 0, got {timeout_s}", "timeout")
         # Unset max_tokens: the rest of the context. The engine resolves it against its own
@@ -278,14 +280,13 @@ class Router:
         messages: Sequence[dict[str, Any]] | None = None,
         chat_template: ChatTemplateOptions = ChatTemplateOptions(),
     ) -> list[int]:
-        """The token ids `prepare` would send for this prompt or conversation (/tokenize), encoded
-        on a worker thread as there."""
+        """The token ids `prepare` would send for this prompt or conversation (/tokenize),
+        encoded on a worker thread, and refused unencoded when too long, as there."""
         self._check_model(model)
         if messages is not None and prompt is None:
-            text = self._chat_text(messages, chat_template)
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+            return await asyncio.to_thread(self._chat_tokens, messages, chat_template)
         if prompt is not None and messages is None:
-            return await asyncio.to_thread(self.tokenizer.encode, prompt)
+            return await asyncio.to_thread(self._encode, prompt, "prompt")
         raise invalid("give exactly one of prompt or messages", "prompt")
 
     def detokenize(self, token_ids: Sequence[int], *, model: str = "") -> str:
@@ -309,9 +310,13 @@ class Router:
         if prompt is not None:
             return self._encode(prompt, "prompt")
         if messages is not None:
-            text = self._chat_text(messages, chat_template)
-            return self._encode(text, "messages", add_special_tokens=False)
+            return self._chat_tokens(messages, chat_template)
         return list(prompt_token_ids or [])
+
+    def _chat_tokens(
+        self, messages: Sequence[dict[str, Any]], options: ChatTemplateOptions
+    ) -> list[int]:
+        return self._encode(self._chat_text(messages, options), "messages", False)
 
     def _encode(self, text: str, field: str, add_special_tokens: bool = True) -> list[int]:
         """The prompt's tokens; INVALID_ARGUMENT naming `field`, without encoding it, for a text

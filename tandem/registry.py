@@ -302,8 +302,8 @@ class _EmbeddedRedis:
         self._process = process
 
     def stop(self) -> None:
-        """Stop the supervisor (its thread's end sends the server SIGTERM on Linux; sent here
-        too), SIGKILL after 5 s; remove the dir."""
+        """Stop the supervisor (its thread's end kills the server on Linux: its parent-death
+        signal is SIGKILL), else SIGTERM here and SIGKILL after 5 s; remove the dir."""
         self.supervisor.stop()
         if self._process is not None:
             stop_processes([self._process], STOP_TIMEOUT_S)
@@ -320,7 +320,7 @@ save ""
 appendonly no
 dir {dir}
 """
-STOP_TIMEOUT_S = 5.0  # from SIGTERM to SIGKILL for the embedded redis-server
+STOP_TIMEOUT_S = 5.0  # from SIGTERM to SIGKILL for the embedded redis-server (off Linux)
 
 
 def quote_config(value: str) -> str:

@@ -147,14 +147,35 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def _max_token_chars(backend: tokenizers.Tokenizer) -> int | None:
     """The most characters of normalized text one token covers: its vocabulary's longest entry
     (a byte-level entry has one character per byte it covers; a byte-fallback entry such as
-    `<0x0A>` more than the one it covers). None when a token can cover any number of them: a
-    model other than BPE (WordPiece's unknown word), or BPE that fuses unknown characters."""
-    model = backend.model
-    if not isinstance(model, tokenizers.models.BPE):
-        return None
-    if model.unk_token and model.fuse_unk and not model.byte_fallback:
+    `<0x0A>` more than the one it covers). None where a token can cover more, or characters can
+    vanish: a model other than BPE (WordPiece's unknown word), BPE without byte-level
+    pre-tokenization or byte fallback (it drops unknown characters, or fuses them into one
+    token), a pre-tokenizer or normalizer that removes characters (Whitespace, a removing
+    Split, Strip per special-token segment), an added token that swallows the spaces beside
+    it (lstrip / rstrip)."""
+    spec = json.loads(backend.to_str())
+    model = spec["model"]
+    steps = [*_steps(spec.get("pre_tokenizer")), *_steps(spec.get("normalizer"))]
+    bytes_kept = model.get("byte_fallback") or any(s.get("type") == "ByteLevel" for s in steps)
+    removes = any(
+        s.get("type") in ("Whitespace", "WhitespaceSplit", "Strip")
+        or (s.get("type") == "Split" and s.get("behavior") == "Removed")
+        for s in steps
+    )
+    swallows = any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens", []))
+    if model.get("type") != "BPE" or not bytes_kept or removes or swallows:
         return None
     return max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
+
+
+def _steps(component: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """A pre-tokenizer's or normalizer's steps: itself, or those of its Sequence."""
+    if component is None:
+        return []
+    if component.get("type") == "Sequence":
+        key = "pretokenizers" if "pretokenizers" in component else "normalizers"
+        return [step for part in component[key] for step in _steps(part)]
+    return [component]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -125,13 +125,15 @@ def test_a_prompt_too_long_for_any_tokens_is_refused_unencoded(
     smol: LocalCluster, url: str
 ) -> None:
     """Megabytes of prompt: 400 / INVALID_ARGUMENT naming the field, told from the characters
-    alone (encoding 2 MB would take the router seconds), over completions, chat and gRPC."""
+    alone (encoding 2 MB would take the router seconds), over completions, chat, /tokenize and
+    gRPC."""
     huge = "All work and no play makes Jack a dull boy. " * ((2 << 20) // 44)
     for path, body, field in [
-        ("/v1/completions", {"prompt": huge}, "prompt"),
+        ("/v1/completions", {"prompt": huge, "max_tokens": 1}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+        ("/tokenize", {"prompt": huge}, "prompt"),
     ]:
-        r = http_post(f"{url}{path}", {"model": SMOL, "max_tokens": 1} | body)
+        r = http_post(f"{url}{path}", {"model": SMOL} | body)
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == field and "characters, more than max_model_len" in error["message"]
