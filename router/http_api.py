@@ -538,21 +538,29 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         params = body.completion_params()
+        prompts = body.prompts()
+        rid = _response_id(_CompletionRender.prefix)  # the request's id too: logs name it
         preps = [
             await router.prepare(
-                params, model=body.model, timeout_s=_timeout_s(body, request), **prompt
+                params,
+                model=body.model,
+                request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                timeout_s=_timeout_s(body, request),
+                **prompt,
             )
-            for prompt in body.prompts()
+            for i, prompt in enumerate(prompts)
         ]
-        render = _CompletionRender(router, preps, body)
+        render = _CompletionRender(router, preps, body, rid)
         return await _respond(router, metrics, render, body, request, body.echo_only)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         tool_use = body.tool_use(router.tool_parser)
+        rid = _response_id(_ChatRender.prefix)
         prep = await router.prepare(
             body.chat_sampling_params(tool_use),
             model=body.model,
+            request_id=rid,
             messages=body.rendered_messages(),
             timeout_s=_timeout_s(body, request),
             chat_template=ChatTemplateOptions(
@@ -562,8 +570,14 @@ def _add_generate_routes(app: FastAPI, router: Router, metrics: RouterMetrics) -
                 tool_use.prompt_tools if tool_use is not None else None,
             ),
         )
-        render = _ChatRender(router, [prep], body, tool_use)
+        render = _ChatRender(router, [prep], body, tool_use, rid)
         return await _respond(router, metrics, render, body, request)
+
+
+def _response_id(prefix: str) -> str:
+    """A new response id (OpenAI's `cmpl-...`, `chatcmpl-...`), which is also the request's id
+    in the router's and the workers' logs."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 def _timeout_s(body: _Sampling, request: Request) -> float:
@@ -707,7 +721,12 @@ class _Render:
     prefix = "cmpl"
 
     def __init__(
-        self, router: Router, preps: list[Prepared], logprobs: bool, body: _Sampling
+        self,
+        router: Router,
+        preps: list[Prepared],
+        logprobs: bool,
+        body: _Sampling,
+        response_id: str,
     ) -> None:
         self.tokenizer = router.tokenizer
         self.model = router.model_name
@@ -715,7 +734,7 @@ class _Render:
         self.logprobs = logprobs
         self.n = body.n
         self.num_prompt_logprobs = body.prompt_logprobs  # vLLM's field: None when not asked
-        self.id = f"{self.prefix}-{uuid.uuid4().hex[:24]}"
+        self.id = response_id
         self.created = int(time.time())
         self.choices = [_Choice() for _ in range(body.n * len(preps))]
 
@@ -790,8 +809,10 @@ class _CompletionRender(_Render):
     kind = "text_completion"
     prefix = "cmpl"
 
-    def __init__(self, router: Router, preps: list[Prepared], body: CompletionRequest) -> None:
-        super().__init__(router, preps, body.logprobs is not None, body)
+    def __init__(
+        self, router: Router, preps: list[Prepared], body: CompletionRequest, response_id: str
+    ) -> None:
+        super().__init__(router, preps, body.logprobs is not None, body, response_id)
         self.num_logprobs = body.logprobs or 0
         # echo: each choice's text starts with its prompt's (token ids decoded, as vLLM does),
         # and with logprobs its logprobs with the prompt's (the first token's are null)
@@ -874,9 +895,14 @@ class _ChatRender(_Render):
         }
 
     def __init__(
-        self, router: Router, preps: list[Prepared], body: ChatRequest, tool_use: ToolUse | None
+        self,
+        router: Router,
+        preps: list[Prepared],
+        body: ChatRequest,
+        tool_use: ToolUse | None,
+        response_id: str,
     ) -> None:
-        super().__init__(router, preps, body.logprobs, body)
+        super().__init__(router, preps, body.logprobs, body, response_id)
         self.tool_use = tool_use if tool_use is not None and tool_use.parses else None
         if self.tool_use is not None:
             self.tool_streams = [ToolStream(self.tool_use) for _ in self.choices]

@@ -68,7 +68,7 @@ class Outcome:
     text: str  # the text received
     error: str | None  # None: completed; else the gRPC code, HTTP status or SSE error type
     seconds: float  # from the send to the end
-    route: str = ""  # gRPC, completed: the request id and its last prefill -> decode workers
+    route: str = ""  # gRPC: the request id and its last prefill -> decode workers; HTTP: its id
     sent: float = 0.0  # time.monotonic() at the send
 
 
@@ -172,7 +172,7 @@ class Load:
             "stream": True,
             "timeout": DEADLINE_S,
         }
-        text = ""
+        text = route = ""
         error: str | None = None
         start = time.monotonic()
         url = f"{self.address.http_url}/v1/completions"
@@ -191,14 +191,14 @@ class Load:
                             error = event["error"]["type"]
                             break
                         choice = event["choices"][0]
-                        text += choice["text"]
+                        text, route = text + choice["text"], event["id"]
                         if choice["finish_reason"] is not None:
                             error = None
         except httpx.TimeoutException:
             error = "the client's timeout"
         except httpx.TransportError:  # refused, or cut mid-stream: the router is gone
             error = CONNECTION_LOST
-        return Outcome("http", prompt, (), text, error, time.monotonic() - start, "", start)
+        return Outcome("http", prompt, (), text, error, time.monotonic() - start, route, start)
 
 
 def sigterm_under_load(

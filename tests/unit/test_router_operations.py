@@ -14,6 +14,7 @@ embedded registry, with a scripted decode worker where a request has to be serve
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -52,9 +53,11 @@ class OneTokenDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     def __init__(self, token_id: int) -> None:
         self.token_id = token_id
+        self.request_ids: list[str] = []
 
     def Decode(self, request: Any, context: Any) -> Iterator[worker_pb2.DecodeResponse]:
         key = request.request.request_id
+        self.request_ids.append(key)
         yield worker_pb2.DecodeResponse(ticket=kv_transfer_pb2.KVTicket(request_key=key))
         chunk = worker_pb2.TokenChunk(token_ids=[self.token_id], finish_reason="stop")
         yield worker_pb2.DecodeResponse(tokens=chunk)
@@ -70,22 +73,44 @@ def decode_record(worker_id: str, endpoint: str = "127.0.0.1:1") -> WorkerRecord
 @pytest.fixture(scope="module")
 def keyed(smollm2_path: Path) -> Iterator[RouterAddress]:
     """A router with an API key and an admin token, over one scripted decode worker."""
-    [token_id] = load_tokenizer(smollm2_path).encode(ANSWER)
+    with one_token_router(smollm2_path, RouterConfig(SMOL, api_key=API_KEY)) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def one_token_router(
+    path: Path, config: RouterConfig
+) -> Iterator[tuple[RouterAddress, OneTokenDecode]]:
+    """A router (with the admin token) over one scripted decode worker, and that worker."""
+    [token_id] = load_tokenizer(path).encode(ANSWER)
+    decode = OneTokenDecode(token_id)
     worker = grpc.server(futures.ThreadPoolExecutor(2))
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(OneTokenDecode(token_id), worker)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, worker)
     port = worker.add_insecure_port("127.0.0.1:0")
     worker.start()
     with Registry() as registry:
         registry.register(decode_record("d1", f"127.0.0.1:{port}"), ttl_s=300)
-        config = RouterConfig(SMOL, api_key=API_KEY)
         server = RouterServer(
             config, registry.url, http_port=0, grpc_port=0, admin_token=ADMIN_TOKEN
         )
         try:
-            yield server.start()
+            yield server.start(), decode
         finally:
             server.stop()
             worker.stop(None)
+
+
+def test_an_http_response_id_is_the_request_id_the_workers_see(smollm2_path: Path) -> None:
+    """So that a client's request can be found in the router's and the workers' logs: chat,
+    completions, and completions of several prompts (the response's id, then -i for each)."""
+    with one_token_router(smollm2_path, RouterConfig(SMOL)) as (address, decode):
+        openai_client = client(address, "none")
+        chat = openai_client.chat.completions.create(model=SMOL, messages=CHAT)
+        one = openai_client.completions.create(model=SMOL, prompt="Hi", max_tokens=1)
+        two = openai_client.completions.create(model=SMOL, prompt=["Hi", "Yo"], max_tokens=1)
+        assert chat.id.startswith("chatcmpl-") and one.id.startswith("cmpl-")
+        assert decode.request_ids[:2] == [chat.id, one.id]
+        assert sorted(decode.request_ids[2:]) == [f"{two.id}-0", f"{two.id}-1"]
 
 
 def bearer(key: str) -> dict[str, str]:
