@@ -48,7 +48,14 @@ def command(argv: Sequence[str], signum: int = signal.SIGTERM) -> list[str]:
     """`argv` as a command whose process gets `signum` when the thread of this process that
     starts it ends. This file runs as a script in isolated mode: it needs the standard library
     only."""
-    return [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), str(int(signum)), *argv]
+    return [
+        sys.executable,
+        "-I",
+        os.path.abspath(__file__),
+        str(os.getpid()),
+        str(int(signum)),
+        *argv,
+    ]
 
 
 def _exec(args: Sequence[str]) -> NoReturn:
