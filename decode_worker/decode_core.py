@@ -23,6 +23,7 @@ has ended. Cancelling the request's id ends every choice; a choice's own id ends
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import time
 from collections.abc import Iterator
@@ -46,6 +47,8 @@ from tandem.engine.tp.kv_view import rank_heads
 from tandem.engine.tp.ranks import RankLauncher, RankLink
 from tandem.outputs import TokenLogprobs
 from tandem.sampling_params import SamplingParams, choice_request_id
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -249,7 +252,11 @@ class DecodeWorker(EngineLoop):
             return
         assert a.error is not None
         self.transfer_metrics.failure(a.error.cause)
-        if self.transfer.on_failure == "local" and a.error.cause != FailureCause.CANCELLED:
+        local = self.transfer.on_failure == "local"
+        if a.error.cause != FailureCause.CANCELLED:
+            then = "computing its prompt here" if local else "ending it"
+            log.warning("%s: %s; %s", rid, a.error, then)
+        if local and a.error.cause != FailureCause.CANCELLED:
             scheduler.compute_prompt_locally(rid)
         else:
             self.engine.abort(rid)
