@@ -252,11 +252,10 @@ class DecodeWorker(EngineLoop):
             return
         assert a.error is not None
         self.transfer_metrics.failure(a.error.cause)
-        local = self.transfer.on_failure == "local"
+        local = self.transfer.on_failure == "local" and a.error.cause != FailureCause.CANCELLED
         if a.error.cause != FailureCause.CANCELLED:
-            then = "computing its prompt here" if local else "ending it"
-            log.warning("%s: %s; %s", rid, a.error, then)
-        if local and a.error.cause != FailureCause.CANCELLED:
+            log.warning("%s: %s; %s", rid, a.error, "computing it here" if local else "ending it")
+        if local:
             scheduler.compute_prompt_locally(rid)
         else:
             self.engine.abort(rid)
